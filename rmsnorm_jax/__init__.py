@@ -1,0 +1,12 @@
+"""rmsnorm_jax: RMSNorm and partial RMSNorm for JAX and Flax.
+
+``rms_norm`` is the pure function (analytic ``custom_vjp``); ``RMSNorm`` the Flax linen
+Module; ``rmsnorm_jax.nnx.RMSNorm`` its NNX twin.
+"""
+
+from ._functional import partial_count as partial_count
+from ._functional import rms_norm as rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = ["partial_count", "rms_norm"]

@@ -1,0 +1,258 @@
+"""``rms_norm``: argument checks, the dtype policy, and the call into the custom_vjp core."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Hashable, Sequence
+from fractions import Fraction
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._vjp import NormConfig, _vma, rms_norm_core
+
+EPS_PLACEMENTS = ("inside", "outside")
+
+
+def partial_count(n: int, p: float) -> int:
+    """``k = ceil(n * p)``: how many leading features pRMSNorm takes the RMS from.
+
+    ``p`` is read as the decimal the user wrote (its shortest round-trip repr), so that
+    ``partial_count(100, 0.07) == 7`` although ``100 * 0.07 == 7.000000000000001``.
+
+    >>> partial_count(100, 0.07), partial_count(512, 0.0625), partial_count(3, 0.5)
+    (7, 32, 2)
+    """
+    return min(n, max(1, math.ceil(Fraction(repr(float(p))) * n)))
+
+
+def _normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    axes = tuple(axis) if isinstance(axis, Sequence) else (axis,)
+    if not axes:
+        raise ValueError("axis=() normalizes nothing; give at least one axis, e.g. axis=-1.")
+    out = []
+    for a in axes:
+        if isinstance(a, bool) or not isinstance(a, numbers.Integral):
+            raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}.")
+        if not -ndim <= a < ndim:
+            raise ValueError(
+                f"axis {a} is out of range for x with ndim={ndim}; "
+                f"use an axis in [{-ndim}, {ndim - 1}]."
+            )
+        out.append(int(a) % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"axis={axis!r} repeats an axis (ndim={ndim}); list each axis once.")
+    return tuple(sorted(out))
+
+
+def _check_eps(eps: Any) -> float:
+    if isinstance(eps, jax.core.Tracer):
+        raise TypeError(
+            "eps is a traced value; it must be a static Python float. Pass it as a "
+            "constant (or mark it static in jax.jit with static_argnames)."
+        )
+    try:
+        value = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"eps must be a non-negative float, got {eps!r}.") from None
+    if isinstance(eps, bool) or math.isnan(value) or value < 0 or math.isinf(value):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}; e.g. eps=1e-6.")
+    return value
+
+
+def _check_p(p: Any) -> float:
+    if isinstance(p, jax.core.Tracer) or isinstance(p, bool):
+        raise TypeError(f"p must be a static Python float in (0, 1], got {p!r}.")
+    try:
+        value = float(p)
+    except (TypeError, ValueError):
+        raise TypeError(f"p must be a Python float in (0, 1], got {p!r}.") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(
+            f"p must be in (0, 1] (the fraction of features the RMS is estimated from), "
+            f"got {p!r}; p=1.0 is plain RMSNorm, the paper uses p=0.0625."
+        )
+    return value
+
+
+def _as_float_array(name: str, value: Any) -> jax.Array:
+    arr = value if isinstance(value, jax.Array) else jnp.asarray(value)
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise TypeError(
+            f"{name} must be a real floating-point array, got dtype {arr.dtype}; "
+            f"cast it first, e.g. {name}.astype(jnp.float32)."
+        )
+    return arr
+
+
+def _check_param(name: str, value: Any, x_shape: tuple[int, ...]):
+    if value is None:
+        return None
+    arr = _as_float_array(name, value)
+    try:
+        shape = jnp.broadcast_shapes(arr.shape, x_shape)
+    except ValueError:
+        shape = None
+    if shape != tuple(x_shape):
+        raise ValueError(
+            f"{name} with shape {arr.shape} does not broadcast to x's shape {x_shape}; "
+            f"give it the shape of the normalized features (e.g. {x_shape[-1:]}) or one "
+            f"that broadcasts to x without enlarging it."
+        )
+    return arr
+
+
+def _axis_name_size(axis_name: Hashable) -> int:
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as err:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not a bound mapped axis; call rms_norm inside "
+            f"jax.shard_map (or pmap) over a mesh with that axis, or pass axis_name=None."
+        ) from err
+
+
+def rms_norm(
+    x: Any,
+    scale: Any = None,
+    eps: float = 1e-6,
+    *,
+    bias: Any = None,
+    axis: int | Sequence[int] = -1,
+    p: float = 1.0,
+    scale_offset: float = 0.0,
+    eps_placement: str = "inside",
+    dtype: Any = None,
+    axis_name: Hashable | None = None,
+) -> jax.Array:
+    r"""Root-mean-square layer normalisation (Zhang & Sennrich, 2019), with pRMSNorm.
+
+    For each row (the elements of ``x`` over ``axis``, ``n`` of them, row-major)::
+
+        k    = ceil(n * p)                         # p = 1: all n
+        ms   = (1/k) * sum_{i<k} x_i**2
+        r    = rsqrt(ms + eps)                     # eps_placement="inside"
+        r    = 1 / (sqrt(ms) + eps)                # eps_placement="outside"
+        y    = (scale + scale_offset) * (x * r) + bias
+
+    The gradient is a ``jax.custom_vjp`` with the analytic backward pass; the
+    residuals it keeps are ``x``, ``scale`` and one float32 per row, nothing else of
+    full size. It composes with ``jit``, ``vmap``, ``lax.scan``, ``jax.checkpoint``,
+    grad-of-grad and ``jax.hessian``; plain forward mode (``jax.jvp``, ``jax.jacfwd``
+    on its own) does not go through a ``custom_vjp`` and raises.
+
+    Dtypes: the statistics and the normalisation are computed in
+    ``promote_types(result_type(x, scale, bias), float32)`` (float64 stays float64),
+    whatever the input dtype, so float16 input up to its max (65504) is safe. ``y`` has
+    dtype ``dtype`` if given, else ``result_type(x, scale, bias)`` (flax's rule).
+    Gradients are accumulated in the compute dtype and returned in each input's dtype.
+
+    Args:
+      x: floating array of any shape.
+      scale: optional gain, any shape that broadcasts to ``x`` (usually the feature
+        shape). ``None`` means 1 (then ``scale_offset`` is ignored).
+      eps: static float >= 0 added to the mean square (or to the RMS).
+      bias: optional shift, any shape that broadcasts to ``x``.
+      axis: int or tuple of ints (negative allowed): the normalized axes.
+      p: static fraction in (0, 1]; the RMS comes from the first ``ceil(n * p)``
+        elements of each row and is applied to all ``n``.
+      scale_offset: static float added to ``scale``; 1.0 with a zero-initialised scale
+        is Gemma's ``(1 + scale)``.
+      eps_placement: ``"inside"`` (LLaMA, T5, flax, torch) or ``"outside"`` (the
+        paper's reference code).
+      dtype: output dtype; default is the promotion of ``x``, ``scale`` and ``bias``.
+      axis_name: mapped axis name (or tuple of names) of ``shard_map``/``pmap``
+        across which the normalized features are split: the sums of the statistic
+        and of the backward cross term are ``psum``-ed over it. With ``p < 1`` the
+        first ``k`` features are counted globally, which needs a single normalized
+        axis split in device order.
+
+    Returns:
+      ``y`` with the shape of ``x``.
+
+    Raises:
+      TypeError, ValueError: for a non-floating ``x``, a ``scale`` or ``bias`` that
+        does not broadcast, ``p`` outside (0, 1], a negative, NaN or traced ``eps``,
+        bad axes, an empty normalized axis, or an unknown ``eps_placement``.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from rmsnorm_jax import rms_norm
+    >>> x = jnp.array([[1.0, 2.0, 3.0, 4.0], [-1.0, -2.0, -3.0, -4.0]])
+    >>> rms_norm(x, eps=0.0).round(4)
+    Array([[ 0.3651,  0.7303,  1.0954,  1.4606],
+           [-0.3651, -0.7303, -1.0954, -1.4606]], dtype=float32)
+    >>> rms_norm(x, jnp.ones(4), p=0.5).shape   # pRMSNorm from the first 2 features
+    (2, 4)
+    """
+    x = _as_float_array("x", x)
+    axes = _normalize_axes(axis, x.ndim)
+    scale = _check_param("scale", scale, x.shape)
+    bias = _check_param("bias", bias, x.shape)
+    eps = _check_eps(eps)
+    p = _check_p(p)
+    if eps_placement not in EPS_PLACEMENTS:
+        raise ValueError(f"eps_placement must be one of {EPS_PLACEMENTS}, got {eps_placement!r}.")
+    scale_offset = _check_scale_offset(scale_offset)
+    n = math.prod(x.shape[a] for a in axes)
+    if n == 0:
+        raise ValueError(
+            f"the normalized axes {axes} of x with shape {x.shape} hold no elements; "
+            f"the RMS of an empty row is undefined."
+        )
+    n_global = n
+    if axis_name is not None:
+        n_global = n * _axis_name_size(axis_name)
+        if p < 1.0 and len(axes) != 1:
+            raise ValueError(
+                f"p={p} with axis_name={axis_name!r} needs exactly one normalized axis "
+                f"(split across devices in order), got axis={axis!r}."
+            )
+    arrays = [a for a in (x, scale, bias) if a is not None]
+    inferred = jnp.result_type(*arrays)
+    out_dtype = inferred if dtype is None else _check_dtype(dtype)
+    cfg = NormConfig(
+        axes=axes,
+        n=n,
+        k=partial_count(n_global, p),
+        n_global=n_global,
+        eps=eps,
+        inside=eps_placement == "inside",
+        scale_offset=scale_offset,
+        compute_dtype=np.dtype(jnp.promote_types(inferred, jnp.float32)),
+        out_dtype=np.dtype(out_dtype),
+        axis_name=axis_name,
+        bias_shape=None if bias is None else tuple(bias.shape),
+        bias_dtype=None if bias is None else np.dtype(bias.dtype),
+        bias_vma=frozenset() if bias is None else _vma(bias),
+    )
+    return rms_norm_core(cfg, x, scale, bias)
+
+
+def _check_scale_offset(scale_offset: Any) -> float:
+    if isinstance(scale_offset, jax.core.Tracer) or isinstance(scale_offset, bool):
+        raise TypeError(f"scale_offset must be a static Python float, got {scale_offset!r}.")
+    try:
+        value = float(scale_offset)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"scale_offset must be a Python float (e.g. 0.0 or 1.0), got {scale_offset!r}."
+        ) from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale_offset must be finite, got {scale_offset!r}.")
+    return value
+
+
+def _check_dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"dtype must be a floating dtype such as jnp.bfloat16, got {dtype!r}.")
+    return dt

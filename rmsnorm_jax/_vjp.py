@@ -1,0 +1,199 @@
+"""The differentiable core of RMSNorm: one forward rule and one analytic backward rule.
+
+Everything here assumes validated arguments (see ``_functional.py``). The static part
+of a call lives in a hashable :class:`NormConfig`; the arrays are ``x``, ``scale`` and
+``bias`` (either may be ``None``).
+
+Residuals kept for the backward pass: ``x``, ``scale`` and one float (at least float32)
+per row: the inverse RMS ``r = rsqrt(ms + eps)`` for the "inside" placement, the RMS
+``s = sqrt(ms)`` for "outside" (from which ``r = 1 / (s + eps)`` is exact, and
+``dr/dms = -r**2 / (2 s)`` stays well defined).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Static description of one ``rms_norm`` call (hashable, so it can be a jit key).
+
+    Attributes:
+      axes: the normalized axes of ``x``, non-negative and sorted.
+      n: elements per row on this device (the product of ``x.shape`` over ``axes``).
+      k: elements per row that enter the mean square (``ceil(n_global * p)``).
+      n_global: elements per row across all devices of ``axis_name``.
+      eps: the epsilon.
+      inside: ``True`` for ``rsqrt(ms + eps)``, ``False`` for ``1 / (sqrt(ms) + eps)``.
+      scale_offset: added to ``scale`` before it multiplies (1.0 gives ``1 + scale``).
+      compute_dtype: dtype of the statistics and the normalisation (>= float32).
+      out_dtype: dtype of ``y``.
+      axis_name: mapped axis (or tuple) across which the features are split.
+      bias_shape, bias_dtype, bias_vma: what the bias cotangent must look like; the
+        bias itself is not kept for the backward pass.
+    """
+
+    axes: tuple[int, ...]
+    n: int
+    k: int
+    n_global: int
+    eps: float
+    inside: bool
+    scale_offset: float
+    compute_dtype: np.dtype
+    out_dtype: np.dtype
+    axis_name: Hashable | None
+    bias_shape: tuple[int, ...] | None
+    bias_dtype: np.dtype | None
+    bias_vma: frozenset = frozenset()
+
+    @property
+    def partial(self) -> bool:
+        return self.k < self.n_global
+
+
+def _vma(a) -> frozenset:
+    """Mesh axes along which ``a`` varies inside ``shard_map`` (empty outside)."""
+    manual = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def _axis_tuple(axis_name) -> tuple:
+    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def _partial_mask(cfg: NormConfig, shape: tuple[int, ...]) -> jax.Array:
+    """``True`` where an element is among the first ``k`` of its row (row-major order).
+
+    The mask has size 1 along the batch axes so that XLA fuses it as an iota compare.
+    With ``axis_name`` the single normalized axis is split across devices, so the
+    global position adds this device's offset.
+    """
+    mask_shape = tuple(d if i in cfg.axes else 1 for i, d in enumerate(shape))
+    flat = jnp.zeros(mask_shape, jnp.int32)
+    stride = 1
+    for ax in reversed(cfg.axes):
+        flat = flat + lax.broadcasted_iota(jnp.int32, mask_shape, ax) * stride
+        stride *= shape[ax]
+    if cfg.axis_name is not None:
+        flat = flat + lax.axis_index(cfg.axis_name) * cfg.n
+    return flat < cfg.k
+
+
+def _row_sum(cfg: NormConfig, a: jax.Array) -> jax.Array:
+    """Sum over the normalized axes, across devices too when the features are split."""
+    total = jnp.sum(a, axis=cfg.axes, keepdims=True)
+    if cfg.axis_name is not None:
+        total = lax.psum(total, cfg.axis_name)
+    return total
+
+
+def _scale_factor(cfg: NormConfig, scale):
+    if scale is None:
+        return None
+    factor = scale.astype(cfg.compute_dtype)
+    return factor + cfg.scale_offset if cfg.scale_offset else factor
+
+
+def _inv_rms(cfg: NormConfig, row_stat: jax.Array) -> jax.Array:
+    return row_stat if cfg.inside else 1.0 / (row_stat + cfg.eps)
+
+
+def _forward(cfg: NormConfig, x, scale, bias):
+    """Returns ``(y, row_stat)``; ``row_stat`` is the per-row residual (see module doc)."""
+    xf = x.astype(cfg.compute_dtype)
+    sq = xf * xf
+    if cfg.partial:
+        sq = jnp.where(_partial_mask(cfg, x.shape), sq, 0)
+    ms = _row_sum(cfg, sq) * (1.0 / cfg.k)
+    row_stat = lax.rsqrt(ms + cfg.eps) if cfg.inside else jnp.sqrt(ms)
+    y = xf * _inv_rms(cfg, row_stat)
+    if scale is not None:
+        y = y * _scale_factor(cfg, scale)
+    if bias is not None:
+        y = y + bias.astype(cfg.compute_dtype)
+    return y.astype(cfg.out_dtype), row_stat
+
+
+def _sum_to_shape(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sums ``a`` over the axes along which ``shape`` was broadcast up to ``a.shape``."""
+    lead = a.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, d in enumerate(shape) if d == 1 and a.shape[lead + i] != 1
+    )
+    return jnp.sum(a, axis=axes).reshape(shape) if axes else a.reshape(shape)
+
+
+def _match_vma(ct: jax.Array, target_vma: frozenset) -> jax.Array:
+    """Sums a cotangent over the mesh axes along which its primal was replicated.
+
+    Inside ``shard_map`` a parameter replicated over an axis that ``x`` is split along
+    gets one partial gradient per device; the true gradient is their sum, and JAX's
+    varying-axes check insists the cotangent be replicated like the primal.
+    """
+    extra = tuple(sorted(_vma(ct) - target_vma))
+    return lax.psum(ct, extra) if extra else ct
+
+
+def _backward(cfg: NormConfig, residuals, dy):
+    """The analytic gradient (``../shared/FACTS.md``), accumulated in ``compute_dtype``.
+
+    With ``gdy = (scale + offset) * dy``, ``xhat = x * r`` and
+    ``c = (1/k) * sum_j gdy_j * xhat_j`` (over all n features of the row):
+
+        dx = r * gdy - [i < k] * xhat * c * alpha,  alpha = r (inside), 1/s (outside)
+        dscale = sum over broadcast axes of dy * xhat;  dbias = sum of dy.
+
+    For "outside" with s == 0 (an all-zero row), ``xhat == 0`` and the cross term's
+    limit is 0, so alpha is set to 0 there rather than inf.
+    """
+    x, scale, row_stat = residuals
+    cd = cfg.compute_dtype
+    xf = x.astype(cd)
+    dyf = dy.astype(cd)
+    inv_rms = _inv_rms(cfg, row_stat)
+    xhat = xf * inv_rms
+    gdy = dyf if scale is None else dyf * _scale_factor(cfg, scale)
+    mean_term = _row_sum(cfg, gdy * xhat) * (1.0 / cfg.k)
+    if cfg.inside:
+        alpha = inv_rms
+    else:
+        safe = jnp.where(row_stat > 0, row_stat, 1.0)
+        alpha = jnp.where(row_stat > 0, 1.0 / safe, 0.0)
+    correction = xhat * (mean_term * alpha)
+    if cfg.partial:
+        correction = jnp.where(_partial_mask(cfg, x.shape), correction, 0)
+    dx = (inv_rms * gdy - correction).astype(x.dtype)
+    dx = _match_vma(dx, _vma(x))
+
+    dscale = None
+    if scale is not None:
+        dscale = _sum_to_shape(dyf * xhat, scale.shape).astype(scale.dtype)
+        dscale = _match_vma(dscale, _vma(scale))
+    dbias = None
+    if cfg.bias_shape is not None:
+        dbias = _sum_to_shape(dyf, cfg.bias_shape).astype(cfg.bias_dtype)
+        dbias = _match_vma(dbias, cfg.bias_vma)
+    return dx, dscale, dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def rms_norm_core(cfg: NormConfig, x, scale, bias):
+    """RMSNorm of validated arrays; differentiable by the analytic backward rule."""
+    return _forward(cfg, x, scale, bias)[0]
+
+
+def _fwd_rule(cfg: NormConfig, x, scale, bias):
+    y, row_stat = _forward(cfg, x, scale, bias)
+    return y, (x, scale, row_stat)
+
+
+rms_norm_core.defvjp(_fwd_rule, _backward)

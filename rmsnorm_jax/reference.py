@@ -1,0 +1,55 @@
+"""The plain formula in jax.numpy, differentiated by autodiff: the tests' oracle.
+
+Written independently of the custom_vjp core (it moves the normalized axes to the end,
+flattens each row, and slices the first ``k`` features), so that agreement between the
+two is evidence, not tautology. Used by tests, benchmarks and docs, never by the
+library itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+
+def rms_norm_reference(
+    x,
+    scale=None,
+    eps: float = 1e-6,
+    *,
+    bias=None,
+    axis=-1,
+    p: float = 1.0,
+    k: int | None = None,
+    scale_offset: float = 0.0,
+    eps_placement: str = "inside",
+):
+    """``(scale + scale_offset) * x / RMS(x) + bias`` with the RMS of the first k features.
+
+    Computes in the dtype of ``x`` (call it with float64 arrays under
+    ``jax.enable_x64(True)`` for an exact oracle). ``k`` overrides ``ceil(n * p)``.
+
+    >>> import jax.numpy as jnp
+    >>> rms_norm_reference(jnp.array([2.0, 4.0, 6.0, 8.0]), eps=0.0).round(3)
+    Array([0.365, 0.73 , 1.095, 1.461], dtype=float32)
+    """
+    axes = tuple(sorted(a % x.ndim for a in ((axis,) if isinstance(axis, int) else axis)))
+    rest = tuple(a for a in range(x.ndim) if a not in axes)
+    moved = jnp.transpose(x, rest + axes)
+    n = math.prod(x.shape[a] for a in axes)
+    rows = moved.reshape(-1, n)
+    if k is None:
+        k = min(n, math.ceil(round(n * p, 9)))
+    ms = jnp.mean(rows[:, :k] ** 2, axis=1, keepdims=True)
+    if eps_placement == "inside":
+        normed = rows / jnp.sqrt(ms + eps)
+    else:
+        normed = rows / (jnp.sqrt(ms) + eps)
+    y = normed.reshape(moved.shape)
+    y = jnp.transpose(y, tuple(sorted(range(x.ndim), key=lambda i: (rest + axes)[i])))
+    if scale is not None:
+        y = y * (scale + scale_offset)
+    if bias is not None:
+        y = y + bias
+    return y
