@@ -4,9 +4,11 @@
 Module; ``rmsnorm_jax.nnx.RMSNorm`` its NNX twin.
 """
 
+from . import nnx as nnx
 from ._functional import partial_count as partial_count
 from ._functional import rms_norm as rms_norm
+from .linen import RMSNorm as RMSNorm
 
 __version__ = "0.1.0"
 
-__all__ = ["partial_count", "rms_norm"]
+__all__ = ["RMSNorm", "nnx", "partial_count", "rms_norm"]

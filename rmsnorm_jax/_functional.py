@@ -30,22 +30,23 @@ def partial_count(n: int, p: float) -> int:
     return min(n, max(1, math.ceil(Fraction(repr(float(p))) * n)))
 
 
-def _normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+def normalize_axes(axis: Any, ndim: int, name: str = "axis") -> tuple[int, ...]:
+    """Sorted non-negative axes; clear errors for empty, non-int, out of range, repeated."""
     axes = tuple(axis) if isinstance(axis, Sequence) else (axis,)
     if not axes:
-        raise ValueError("axis=() normalizes nothing; give at least one axis, e.g. axis=-1.")
+        raise ValueError(f"{name}=() names no axis; give at least one, e.g. {name}=-1.")
     out = []
     for a in axes:
         if isinstance(a, bool) or not isinstance(a, numbers.Integral):
-            raise TypeError(f"axis must be an int or a tuple of ints, got {axis!r}.")
+            raise TypeError(f"{name} must be an int or a tuple of ints, got {axis!r}.")
         if not -ndim <= a < ndim:
             raise ValueError(
-                f"axis {a} is out of range for x with ndim={ndim}; "
-                f"use an axis in [{-ndim}, {ndim - 1}]."
+                f"{name}: axis {a} is out of range for x with ndim={ndim}; "
+                f"use axes in [{-ndim}, {ndim - 1}]."
             )
         out.append(int(a) % ndim)
     if len(set(out)) != len(out):
-        raise ValueError(f"axis={axis!r} repeats an axis (ndim={ndim}); list each axis once.")
+        raise ValueError(f"{name}={axis!r} repeats an axis (ndim={ndim}); list each axis once.")
     return tuple(sorted(out))
 
 
@@ -191,7 +192,7 @@ def rms_norm(
     (2, 4)
     """
     x = _as_float_array("x", x)
-    axes = _normalize_axes(axis, x.ndim)
+    axes = normalize_axes(axis, x.ndim)
     scale = _check_param("scale", scale, x.shape)
     bias = _check_param("bias", bias, x.shape)
     eps = _check_eps(eps)

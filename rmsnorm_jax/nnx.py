@@ -1,0 +1,142 @@
+"""Flax NNX ``RMSNorm``: the twin of :class:`rmsnorm_jax.RMSNorm` for ``flax.nnx``.
+
+Mirrors ``flax.nnx.RMSNorm`` (same arguments, a ``scale`` Param of shape
+``(num_features,)``) and adds ``p``, ``use_bias``, ``scale_offset`` and
+``eps_placement``. It calls :func:`rmsnorm_jax.rms_norm`, so its outputs and gradients
+equal the linen Module's on the same parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.typing import Axes, Dtype, Initializer
+
+from ._functional import rms_norm
+from .linen import feature_param_shapes, unsupported_options
+
+
+class RMSNorm(nnx.Module):
+    r"""RMS layer normalisation (and pRMSNorm) as a Flax NNX Module.
+
+    For each row (the elements over ``reduction_axes``)::
+
+        y = (scale + scale_offset) * x / RMS(x) + bias,
+        RMS(x) = sqrt(mean(x[:k]**2) + epsilon),  k = ceil(n * p)
+
+    Dtypes: statistics in at least float32; parameters stored in ``param_dtype``;
+    output in ``dtype``, else the promotion of ``x`` and the parameters. Backward
+    residuals: ``x``, ``scale`` and one float32 per row.
+
+    Args:
+      num_features: number of features (the product of ``x.shape`` over
+        ``feature_axes``).
+      epsilon, dtype, param_dtype, use_scale, scale_init, reduction_axes,
+        feature_axes, axis_name, axis_index_groups, use_fast_variance: as in
+        ``flax.nnx.RMSNorm`` (``axis_index_groups`` must be None;
+        ``use_fast_variance`` has no effect on an RMS).
+      promote_dtype: optional ``fn((x, scale), dtype=...) -> (x, scale)`` applied
+        before normalising; None (default) computes exactly as the linen Module.
+      rngs: ``nnx.Rngs`` for the initializers.
+      scale_metadata, bias_metadata: metadata of the Params, e.g.
+        ``{"out_sharding": ("embed",)}``.
+      p: fraction in (0, 1] of each row's features the RMS is estimated from.
+      use_bias, bias_init: an optional learned shift (default off, zeros).
+      scale_offset: added to ``scale``; 1.0 with ``scale_init=zeros`` is Gemma's.
+      eps_placement: ``"inside"`` or ``"outside"``.
+
+    Example:
+
+    >>> import jax
+    >>> from flax import nnx
+    >>> import rmsnorm_jax.nnx
+    >>> layer = rmsnorm_jax.nnx.RMSNorm(6, p=0.5, rngs=nnx.Rngs(0))
+    >>> layer(jax.random.normal(jax.random.key(0), (5, 6))).shape
+    (5, 6)
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        dtype: Dtype | None = None,
+        param_dtype: Dtype = jnp.float32,
+        use_scale: bool = True,
+        scale_init: Initializer = nnx.initializers.ones,
+        reduction_axes: Axes = -1,
+        feature_axes: Axes = -1,
+        axis_name: str | None = None,
+        axis_index_groups: Any = None,
+        use_fast_variance: bool = True,
+        promote_dtype: Callable[..., Any] | None = None,
+        rngs: nnx.Rngs,
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        p: float = 1.0,
+        use_bias: bool = False,
+        bias_init: Initializer = nnx.initializers.zeros,
+        bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+        scale_offset: float = 0.0,
+        eps_placement: str = "inside",
+    ):
+        unsupported_options(axis_index_groups, None)
+        shape = (num_features,)
+        self.scale = (
+            nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
+            if use_scale
+            else nnx.data(None)
+        )
+        self.bias = (
+            nnx.Param(bias_init(rngs.params(), shape, param_dtype), **bias_metadata)
+            if use_bias
+            else nnx.data(None)
+        )
+        self.num_features = num_features
+        self.epsilon = epsilon
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.use_scale = use_scale
+        self.use_bias = use_bias
+        self.reduction_axes = reduction_axes
+        self.feature_axes = feature_axes
+        self.axis_name = axis_name
+        self.axis_index_groups = axis_index_groups
+        self.use_fast_variance = use_fast_variance
+        self.promote_dtype = promote_dtype
+        self.p = p
+        self.scale_offset = scale_offset
+        self.eps_placement = eps_placement
+
+    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+        """Normalizes ``x``; ``mask`` must be None (accepted for flax compatibility)."""
+        unsupported_options(None, mask)
+        x = jnp.asarray(x)
+        feature_shape, broadcast_shape = feature_param_shapes(x.shape, self.feature_axes)
+        if math.prod(feature_shape) != self.num_features:
+            raise ValueError(
+                f"x has {math.prod(feature_shape)} features on feature_axes="
+                f"{self.feature_axes!r} (shape {x.shape}) but the module was built with "
+                f"num_features={self.num_features}."
+            )
+        scale = None if self.scale is None else self.scale[...]
+        bias = None if self.bias is None else self.bias[...]
+        if self.promote_dtype is not None:
+            x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+        return rms_norm(
+            x,
+            None if scale is None else scale.reshape(broadcast_shape),
+            self.epsilon,
+            bias=None if bias is None else bias.reshape(broadcast_shape),
+            axis=self.reduction_axes,
+            p=self.p,
+            scale_offset=self.scale_offset,
+            eps_placement=self.eps_placement,
+            dtype=self.dtype,
+            axis_name=self.axis_name,
+        )
