@@ -1,0 +1,242 @@
+"""RMSNorm forward and forward+backward speed, and backward-pass memory, side by side.
+
+    python benchmarks/bench.py            # full table (x of 32 MiB per shape)
+    python benchmarks/bench.py --quick    # smoke run, small shapes, 3 repeats
+
+For each shape and dtype it times, in one process (ratios within one run are what
+count on a shared machine): ``rms_norm`` (p = 1 and p = 0.0625), the ``RMSNorm``
+Module, ``flax.linen.RMSNorm``, ``flax.linen.LayerNorm`` and the plain jnp formula
+under autodiff; plus two baselines that allocate their outputs the same way: a
+jitted ``x * 2`` (the forward's traffic: read x, write y) and ``(x * 2, x * dy)``
+(forward+backward traffic: read x, write y, read x and dy, write dx).
+
+Reported: median time of N runs after warm-up, effective GB/s by the byte model of
+``../shared/FACTS.md`` (forward 2 bytes-per-element moves, forward+backward 5), the
+ratio to the baseline, the speed-up over ``flax.linen.RMSNorm``, and the bytes the
+backward pass keeps alive (``jax.vjp`` residuals) as a multiple of bytes(x). Writes
+``results.json``, ``results.md`` and ``results.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import rmsnorm_jax
+
+FEATURES = (256, 1024, 4096, 5120, 8192)
+EPS = 1e-6
+
+
+def plain_formula(x, scale):
+    """What a user writes by hand: float32 statistics, autodiff for the gradient."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS) * scale
+    return y.astype(jnp.result_type(x, scale))
+
+
+def _module(cls, **kw) -> Callable:
+    module = cls(epsilon=EPS, **kw)
+
+    def apply(x, scale):
+        params = {"scale": scale}
+        if cls is nn.LayerNorm:
+            params["bias"] = jnp.zeros_like(scale)
+        return module.apply({"params": params}, x)
+
+    return apply
+
+
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "rms_norm": lambda x, s: rmsnorm_jax.rms_norm(x, s, EPS),
+    "rms_norm p=0.0625": lambda x, s: rmsnorm_jax.rms_norm(x, s, EPS, p=0.0625),
+    "RMSNorm module": _module(rmsnorm_jax.RMSNorm),
+    "flax RMSNorm": _module(nn.RMSNorm),
+    "flax LayerNorm": _module(nn.LayerNorm),
+    "jnp + autodiff": plain_formula,
+}
+
+
+def _forward(fn):
+    return jax.jit(fn)
+
+
+def _forward_backward(fn):
+    def run(x, scale, dy):
+        y, vjp = jax.vjp(fn, x, scale)
+        return y, vjp(dy)
+
+    return jax.jit(run)
+
+
+def _copy_baseline(x, scale):
+    del scale
+    return x * 2
+
+
+def _traffic_baseline(x, scale, dy):
+    del scale
+    return x * 2, x * dy
+
+
+def time_call(fn, args, repeats: int) -> float:
+    """Median wall time in seconds after two warm-up calls."""
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def residual_bytes(fn, x, scale) -> int:
+    _, vjp = jax.vjp(fn, x, scale)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))
+
+
+def bench_shape(rows: int, features: int, dtype, repeats: int) -> list[dict]:
+    kx, ks, kd = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (rows, features), jnp.float32).astype(dtype)
+    scale = 1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)
+    dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
+    xbytes = x.nbytes
+    copy_t = time_call(jax.jit(_copy_baseline), (x, scale), repeats)
+    traffic_t = time_call(jax.jit(_traffic_baseline), (x, scale, dy), repeats)
+    results = [dict(impl="baseline", fwd_s=copy_t, fwd_bwd_s=traffic_t, residual_x=None)]
+    for name, fn in IMPLEMENTATIONS.items():
+        results.append(
+            dict(
+                impl=name,
+                fwd_s=time_call(_forward(fn), (x, scale), repeats),
+                fwd_bwd_s=time_call(_forward_backward(fn), (x, scale, dy), repeats),
+                residual_x=residual_bytes(fn, x, scale) / xbytes,
+            )
+        )
+    flax_fb = next(r["fwd_bwd_s"] for r in results if r["impl"] == "flax RMSNorm")
+    for r in results:
+        r.update(
+            rows=rows,
+            features=features,
+            dtype=jnp.dtype(dtype).name,
+            x_mib=xbytes / 2**20,
+            fwd_gbs=2 * xbytes / r["fwd_s"] / 1e9,
+            fwd_bwd_gbs=5 * xbytes / r["fwd_bwd_s"] / 1e9,
+            fwd_vs_baseline=r["fwd_s"] / copy_t,
+            fwd_bwd_vs_baseline=r["fwd_bwd_s"] / traffic_t,
+            speedup_vs_flax=flax_fb / r["fwd_bwd_s"],
+        )
+    return results
+
+
+def machine() -> str:
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", dev.platform)
+    return (
+        f"{platform.machine()} {platform.processor() or ''} ({jax.device_count()} {dev.platform} "
+        f"device(s): {kind}), jax {jax.__version__}"
+    ).replace("  ", " ")
+
+
+def to_markdown(results: list[dict]) -> str:
+    lines = [
+        "| features | dtype | implementation | fwd ms | fwd GB/s | fwd / copy | fwd+bwd ms "
+        "| fwd+bwd GB/s | fwd+bwd / traffic | speed-up vs flax | residuals / bytes(x) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        res = "" if r["residual_x"] is None else f"{r['residual_x']:.2f}"
+        lines.append(
+            f"| {r['features']} | {r['dtype']} | {r['impl']} | {1e3 * r['fwd_s']:.2f} "
+            f"| {r['fwd_gbs']:.1f} | {r['fwd_vs_baseline']:.2f} | {1e3 * r['fwd_bwd_s']:.2f} "
+            f"| {r['fwd_bwd_gbs']:.1f} | {r['fwd_bwd_vs_baseline']:.2f} "
+            f"| {r['speedup_vs_flax']:.2f} | {res} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in results})
+    impls = [
+        r["impl"]
+        for r in results
+        if r["features"] == results[0]["features"]
+        and r["dtype"] == results[0]["dtype"]
+        and r["impl"] != "baseline"
+    ]
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        shapes = sorted({r["features"] for r in results if r["dtype"] == dtype})
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            values = [
+                next(
+                    r["speedup_vs_flax"]
+                    for r in results
+                    if r["dtype"] == dtype and r["features"] == f and r["impl"] == impl
+                )
+                for f in shapes
+            ]
+            ax.bar(np.arange(len(shapes)) + i * width, values, width, label=impl)
+        ax.axhline(1.0, color="gray", lw=1)
+        ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, [str(f) for f in shapes])
+        ax.set_xlabel("features")
+        ax.set_ylabel("fwd+bwd speed-up over flax.linen.RMSNorm")
+        ax.set_title(dtype)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, 3 repeats")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--mib", type=float, default=32.0, help="size of x per shape (16-128)")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--features", default=",".join(map(str, FEATURES)))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (3 if args.quick else 10)
+    mib = 0.25 if args.quick else args.mib
+    features = [256, 1024] if args.quick else [int(f) for f in args.features.split(",")]
+
+    results = []
+    for dtype in args.dtypes.split(","):
+        itemsize = jnp.dtype(dtype).itemsize
+        for f in features:
+            rows = max(8, int(mib * 2**20 / (itemsize * f)))
+            results.extend(bench_shape(rows, f, jnp.dtype(dtype), repeats))
+            print(f"done: {dtype} {rows}x{f}", flush=True)
+    table = to_markdown(results)
+    header = f"Machine: {machine()}; median of {repeats} runs; x = {mib:g} MiB per shape.\n\n"
+    print(header + table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(
+        json.dumps({"machine": machine(), "repeats": repeats, "results": results}, indent=1)
+    )
+    (out / "results.md").write_text(header + table + "\n")
+    plot(results, out / "results.png")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,612 @@
+"""Train a small byte-level decoder-only Transformer whose norms are rmsnorm_jax.RMSNorm.
+
+One code path for TPU pods, GPUs and this CPU: a ("data", "model") mesh over all
+devices, parameters and batches placed through logical axis names, a pure jitted
+train step. The default corpus is the Python documentation's topic texts that ship
+with Python itself (``pydoc_data.topics``), so nothing is downloaded.
+
+    python examples/train_lm.py                          # RMSNorm, default config
+    python examples/train_lm.py --norm prmsnorm --p 0.0625
+    python examples/train_lm.py --compare                # RMSNorm vs pRMSNorm vs LayerNorm
+    python examples/train_lm.py --data my.txt --steps 2000 --workdir runs/mine --resume
+    python examples/train_lm.py --mesh 4,2               # data=4, model=2 devices
+
+Writes ``<workdir>/metrics.json`` (per-step train loss and step time, eval losses),
+``<workdir>/loss.png`` and orbax checkpoints under ``<workdir>/checkpoints``;
+``--compare`` writes ``<workdir>/compare.png`` and ``<workdir>/compare.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import rmsnorm_jax
+
+NORMS = ("rmsnorm", "prmsnorm", "layernorm")
+
+# Logical axis -> mesh axis. Attention heads and the MLP hidden units are split over
+# "model" (Megatron-style); the batch over "data"; the residual stream is replicated
+# across "model", so the norms need no collective.
+LOGICAL_RULES = (
+    ("batch", "data"),
+    ("heads", "model"),
+    ("mlp", "model"),
+    ("vocab", None),
+    ("embed", None),
+    ("kv", None),
+    ("length", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything that defines a run. The defaults finish in minutes on a 2-core CPU."""
+
+    norm: str = "rmsnorm"
+    p: float = 0.0625
+    steps: int = 600
+    batch_size: int = 32
+    seq_len: int = 128
+    d_model: int = 128
+    num_heads: int = 4
+    num_layers: int = 3
+    mlp_ratio: int = 4
+    learning_rate: float = 3e-3
+    warmup_steps: int = 60
+    weight_decay: float = 0.1
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 200
+    seed: int = 0
+    mesh: tuple[int, int] | None = None  # (data, model); default (all devices, 1)
+    data: str | None = None
+    val_fraction: float = 0.1
+    progress: bool = True
+
+
+# ---------------------------------------------------------------- data
+
+
+def load_corpus(path: str | None) -> bytes:
+    """The user's text file, or the pydoc topics that ship with Python."""
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--data {path}: no such file")
+    data = file.read_bytes()
+    if not data:
+        raise ValueError(f"--data {path}: the file is empty")
+    return data
+
+
+def split_tokens(corpus: bytes, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.frombuffer(corpus, np.uint8).astype(np.int32)
+    n_val = max(int(len(tokens) * cfg.val_fraction), cfg.seq_len + 2)
+    train, val = tokens[:-n_val], tokens[-n_val:]
+    if len(train) < cfg.seq_len + 2:
+        raise ValueError(
+            f"the corpus has {len(tokens)} bytes; need more than {2 * (cfg.seq_len + 2)} "
+            f"for seq_len={cfg.seq_len} and a validation split"
+        )
+    return train, val
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy in nats of the byte distribution: the loss of the best context-free model."""
+    counts = np.bincount(tokens, minlength=256)
+    probs = counts[counts > 0] / counts.sum()
+    return float(-(probs * np.log(probs)).sum())
+
+
+def batch_at(tokens: np.ndarray, step: int, cfg: Config, seed: int) -> np.ndarray:
+    """The batch for ``step``: a pure function of (seed, step), so a resumed run sees
+    exactly the data order of an uninterrupted one."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, size=cfg.batch_size)
+    return np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts])
+
+
+def eval_batches(tokens: np.ndarray, cfg: Config) -> list[np.ndarray]:
+    """Fixed, evenly spaced validation windows."""
+    count = cfg.eval_batches * cfg.batch_size
+    starts = np.linspace(0, len(tokens) - cfg.seq_len - 1, count).astype(int)
+    windows = np.stack([tokens[s : s + cfg.seq_len + 1] for s in starts])
+    return list(windows.reshape(cfg.eval_batches, cfg.batch_size, -1))
+
+
+# ---------------------------------------------------------------- model
+
+
+def _dense_init(names: tuple[str | None, ...], scale: float = 1.0):
+    return nn.with_logical_partitioning(nn.initializers.normal(0.02 * scale), names)
+
+
+def make_norm(cfg: Config) -> nn.Module:
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(
+            epsilon=1e-6,
+            scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("embed",)),
+        )
+    p = cfg.p if cfg.norm == "prmsnorm" else 1.0
+    return rmsnorm_jax.RMSNorm(epsilon=1e-6, p=p, logical_axes=("embed",))
+
+
+class Block(nn.Module):
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, h: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        head_dim = cfg.d_model // cfg.num_heads
+        depth_scale = 1 / math.sqrt(2 * cfg.num_layers)
+        x = make_norm(cfg)(h)
+        qkv = nn.DenseGeneral(
+            (3, cfg.num_heads, head_dim),
+            use_bias=False,
+            kernel_init=_dense_init(("embed", None, "heads", "kv")),
+        )(x)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
+        causal = jnp.tril(jnp.ones((h.shape[1], h.shape[1]), bool))
+        weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
+        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        h = h + nn.DenseGeneral(
+            cfg.d_model,
+            axis=(-2, -1),
+            use_bias=False,
+            kernel_init=_dense_init(("heads", "kv", "embed"), depth_scale),
+        )(attended)
+        x = make_norm(cfg)(h)
+        x = nn.Dense(
+            cfg.mlp_ratio * cfg.d_model, use_bias=False, kernel_init=_dense_init(("embed", "mlp"))
+        )(x)
+        x = nn.Dense(
+            cfg.d_model, use_bias=False, kernel_init=_dense_init(("mlp", "embed"), depth_scale)
+        )(jax.nn.gelu(x))
+        return h + x
+
+
+class TransformerLM(nn.Module):
+    """Pre-norm decoder-only Transformer over bytes, with a final norm and tied output."""
+
+    cfg: Config
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        embed = nn.Embed(
+            256,
+            cfg.d_model,
+            embedding_init=nn.with_logical_partitioning(
+                nn.initializers.normal(1.0), ("vocab", "embed")
+            ),
+        )
+        pos = self.param(
+            "pos_embedding",
+            nn.with_logical_partitioning(nn.initializers.normal(0.02), ("length", "embed")),
+            (cfg.seq_len, cfg.d_model),
+        )
+        h = embed(tokens) + pos[: tokens.shape[1]]
+        h = nn.with_logical_constraint(h, ("batch", "length", "embed"))
+        for _ in range(cfg.num_layers):
+            h = Block(cfg)(h)
+        return embed.attend(make_norm(cfg)(h)) / math.sqrt(cfg.d_model)
+
+
+# ---------------------------------------------------------------- training
+
+
+def make_mesh(cfg: Config) -> jax.sharding.Mesh:
+    shape = cfg.mesh or (jax.device_count(), 1)
+    return jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, end_value=cfg.learning_rate / 10
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b2=0.95, weight_decay=cfg.weight_decay),
+    )
+
+
+def loss_fn(params: Any, model: nn.Module, batch: jax.Array) -> jax.Array:
+    logits = model.apply({"params": params}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+class Trainer:
+    """Builds the sharded state and the jitted steps for one configuration."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.mesh = make_mesh(cfg)
+        self.model = TransformerLM(cfg)
+        self.optimizer = make_optimizer(cfg)
+        dummy = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
+
+        def init(key):
+            params = nn.meta.unbox(self.model.init(key, dummy)["params"])
+            return {"params": params, "opt_state": self.optimizer.init(params)}
+
+        abstract = jax.eval_shape(lambda: self.model.init(jax.random.key(0), dummy))
+        param_specs = nn.get_partition_spec(abstract)["params"]
+        with nn.logical_axis_rules(LOGICAL_RULES):
+            param_shardings = nn.logical_to_mesh_sharding(param_specs, self.mesh, LOGICAL_RULES)
+        abstract_state = jax.eval_shape(init, jax.random.key(0))
+        replicated = NamedSharding(self.mesh, P())
+        self.state_shardings = {
+            "params": param_shardings,
+            # Adam's moments mirror the parameters; the counters are replicated.
+            "opt_state": jax.tree.map(
+                lambda leaf: _like_params(leaf, param_shardings, replicated),
+                abstract_state["opt_state"],
+                is_leaf=lambda x: isinstance(x, dict) and x.keys() == param_shardings.keys(),
+            ),
+        }
+        self.batch_sharding = NamedSharding(self.mesh, P("data", None))
+        self.abstract_state = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract_state,
+            self.state_shardings,
+        )
+        self.init = jax.jit(init, out_shardings=self.state_shardings)
+
+        def train_step(state, batch):
+            with nn.logical_axis_rules(LOGICAL_RULES):
+                loss, grads = jax.value_and_grad(loss_fn)(state["params"], self.model, batch)
+            updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            return {"params": params, "opt_state": opt_state}, loss
+
+        def eval_step(params, batch):
+            with nn.logical_axis_rules(LOGICAL_RULES):
+                return loss_fn(params, self.model, batch)
+
+        self.train_step = jax.jit(
+            train_step,
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            eval_step,
+            in_shardings=(self.state_shardings["params"], self.batch_sharding),
+            out_shardings=replicated,
+        )
+
+    def put_batch(self, batch: np.ndarray) -> jax.Array:
+        """A global batch on the mesh; every process builds the same batch, so this also
+        works when the run spans several hosts."""
+        return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda i: batch[i])
+
+    def evaluate(self, params, batches: list[np.ndarray]) -> float:
+        return float(np.mean([self.eval_step(params, self.put_batch(b)) for b in batches]))
+
+
+def _like_params(leaf, param_shardings, replicated):
+    if isinstance(leaf, dict) and leaf.keys() == param_shardings.keys():
+        return param_shardings
+    return jax.tree.map(lambda _: replicated, leaf)
+
+
+def _checkpoint_manager(workdir: Path, cfg: Config):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(
+        (workdir / "checkpoints").absolute(),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, save_interval_steps=cfg.checkpoint_every
+        ),
+    )
+
+
+def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -> dict:
+    """Trains ``cfg`` and writes metrics, plot and checkpoints under ``workdir``.
+
+    Returns the metrics dict (also written to ``<workdir>/metrics.json``).
+    """
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    train_tokens, val_tokens = split_tokens(load_corpus(cfg.data), cfg)
+    val = eval_batches(val_tokens, cfg)
+    trainer = Trainer(cfg)
+    manager = _checkpoint_manager(workdir, cfg)
+
+    metrics: dict[str, Any] = {
+        "config": dataclasses.asdict(cfg),
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "mesh": dict(trainer.mesh.shape),
+        "unigram_entropy": unigram_entropy(train_tokens),
+        "train_loss": [],
+        "step_time": [],
+        "eval": [],
+        "resumed_from": None,
+    }
+    start = 0
+    if resume and manager.latest_step() is not None:
+        start = manager.latest_step()
+        restored = manager.restore(
+            start,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(trainer.abstract_state),
+                metrics=ocp.args.JsonRestore(),
+            ),
+        )
+        state = restored["state"]
+        for key in ("train_loss", "step_time", "eval"):
+            metrics[key] = restored["metrics"][key]
+        metrics["resumed_from"] = start
+    else:
+        state = trainer.init(jax.random.key(cfg.seed))
+
+    elapsed = sum(metrics["step_time"])
+    bar = tqdm(
+        range(start, cfg.steps),
+        initial=start,
+        total=cfg.steps,
+        desc=cfg.norm,
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+    )
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    for step in bar:
+        batch = trainer.put_batch(batch_at(train_tokens, step, cfg, cfg.seed))
+        t0 = time.perf_counter()
+        state, loss = trainer.train_step(state, batch)
+        loss = float(loss)  # waits for the step: honest step times
+        dt = time.perf_counter() - t0
+        elapsed += dt
+        metrics["train_loss"].append(loss)
+        metrics["step_time"].append(dt)
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            eval_loss = trainer.evaluate(state["params"], val)
+            metrics["eval"].append({"step": done, "loss": eval_loss, "time": elapsed})
+            bar.write(f"step {done}: train {loss:.3f}  val {eval_loss:.3f} nats/byte")
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+        manager.save(
+            done,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                metrics=ocp.args.JsonSave(
+                    {k: metrics[k] for k in ("train_loss", "step_time", "eval")}
+                ),
+            ),
+        )
+    manager.wait_until_finished()
+    manager.close()
+    metrics["final_eval_loss"] = metrics["eval"][-1]["loss"] if metrics["eval"] else None
+    metrics["wall_time"] = elapsed
+    (workdir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    plot_losses({cfg.norm: metrics}, workdir / "loss.png")
+    return metrics
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def plot_losses(runs: dict[str, dict], path: Path) -> None:
+    """Train and validation loss against step, and validation loss against wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, m in runs.items():
+        steps = [e["step"] for e in m["eval"]]
+        losses = [e["loss"] for e in m["eval"]]
+        line = by_step.plot(steps, losses, "o-", label=f"{name} (val)")[0]
+        if len(runs) == 1:
+            by_step.plot(
+                range(1, len(m["train_loss"]) + 1),
+                m["train_loss"],
+                alpha=0.4,
+                color=line.get_color(),
+                label=f"{name} (train)",
+            )
+        by_time.plot([e["time"] for e in m["eval"]], losses, "o-", label=name)
+    entropy = next(iter(runs.values()))["unigram_entropy"]
+    for ax in (by_step, by_time):
+        ax.axhline(entropy, color="gray", ls="--", label="unigram entropy")
+        ax.set_ylabel("loss (nats/byte)")
+        ax.legend()
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("training wall time (s)")
+    fig.suptitle("byte-level LM on " + ("the pydoc topics corpus"))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def compare(cfg: Config, workdir: Path) -> dict[str, dict]:
+    """RMSNorm, pRMSNorm and LayerNorm with the same seed and data order."""
+    runs = {}
+    for norm in NORMS:
+        runs[norm] = train_and_evaluate(dataclasses.replace(cfg, norm=norm), workdir / norm)
+    rows = []
+    for norm, m in runs.items():
+        times = np.array(m["step_time"][5:] or m["step_time"])  # skip compile and warm-up
+        rows.append(
+            {
+                "norm": norm,
+                "median_step_ms": 1e3 * float(np.median(times)),
+                "final_val_loss": m["final_eval_loss"],
+                "wall_time_s": m["wall_time"],
+            }
+        )
+    base = rows[-1]["median_step_ms"]
+    lines = [
+        "| norm | median step (ms) | vs LayerNorm | final val loss | wall (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['norm']} | {r['median_step_ms']:.1f} | {r['median_step_ms'] / base:.3f} | "
+            f"{r['final_val_loss']:.3f} | {r['wall_time_s']:.1f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    (workdir / "compare.json").write_text(json.dumps(rows, indent=1))
+    (workdir / "compare.md").write_text(table + "\n")
+    plot_losses(runs, workdir / "compare.png")
+    return runs
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _mesh_arg(text: str) -> tuple[int, int]:
+    try:
+        data, model = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--mesh takes DATA,MODEL as two integers, e.g. 4,2; got {text!r}"
+        ) from None
+    if data < 1 or model < 1:
+        raise argparse.ArgumentTypeError(f"--mesh sizes must be >= 1, got {text!r}")
+    return data, model
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    defaults = Config()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--norm", choices=NORMS, default=defaults.norm)
+    parser.add_argument("--p", type=float, default=defaults.p, help="pRMSNorm fraction")
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    parser.add_argument("--d-model", type=int, default=defaults.d_model)
+    parser.add_argument("--num-heads", type=int, default=defaults.num_heads)
+    parser.add_argument("--num-layers", type=int, default=defaults.num_layers)
+    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--mesh",
+        type=_mesh_arg,
+        default=None,
+        help="DATA,MODEL device counts (default: all devices on data)",
+    )
+    parser.add_argument("--data", default=None, help="a UTF-8/bytes text file to train on")
+    parser.add_argument("--workdir", default="runs/train_lm")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument(
+        "--compare", action="store_true", help="train rmsnorm, prmsnorm and layernorm and compare"
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (multi-host TPU/GPU)",
+    )
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    positive = (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "d_model",
+        "num_heads",
+        "num_layers",
+        "eval_every",
+        "checkpoint_every",
+    )
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.p <= 1:
+        parser.error(f"--p must be in (0, 1], got {args.p}")
+    if args.learning_rate <= 0:
+        parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.d_model % args.num_heads:
+        parser.error(f"--d-model {args.d_model} must be divisible by --num-heads {args.num_heads}")
+    cfg = Config(
+        norm=args.norm,
+        p=args.p,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        num_heads=args.num_heads,
+        num_layers=args.num_layers,
+        learning_rate=args.learning_rate,
+        warmup_steps=max(1, min(defaults.warmup_steps, args.steps // 10)),
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+        mesh=args.mesh,
+        data=args.data,
+        progress=not args.no_progress,
+    )
+    return cfg, args
+
+
+def validate_for_devices(cfg: Config) -> None:
+    data, model = cfg.mesh or (jax.device_count(), 1)
+    if data * model != jax.device_count():
+        raise ValueError(
+            f"--mesh {data},{model} needs {data * model} devices; this run has "
+            f"{jax.device_count()} ({jax.devices()[0].platform})"
+        )
+    if cfg.batch_size % data:
+        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the data axis {data}")
+    if cfg.num_heads % model or (cfg.mlp_ratio * cfg.d_model) % model:
+        raise ValueError(f"--num-heads {cfg.num_heads} must be divisible by the model axis {model}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_args(argv)
+    if args.distributed:
+        jax.distributed.initialize()
+    try:
+        validate_for_devices(cfg)
+        load_corpus(cfg.data)  # fail fast on a missing or empty file
+        workdir = Path(args.workdir)
+        if args.compare:
+            compare(cfg, workdir)
+            print(f"wrote {workdir / 'compare.png'} and {workdir / 'compare.json'}")
+        else:
+            m = train_and_evaluate(cfg, workdir, resume=args.resume)
+            print(
+                f"final validation loss {m['final_eval_loss']:.3f} nats/byte "
+                f"(unigram entropy {m['unigram_entropy']:.3f}) in {m['wall_time']:.0f} s "
+                f"of training on {m['devices']} {m['platform']} device(s); "
+                f"wrote {workdir / 'metrics.json'} and {workdir / 'loss.png'}"
+            )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())
