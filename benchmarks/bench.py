@@ -109,7 +109,7 @@ def residual_bytes(fn, x, scale) -> int:
 def bench_shape(rows: int, features: int, dtype, repeats: int) -> list[dict]:
     kx, ks, kd = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (rows, features), jnp.float32).astype(dtype)
-    scale = 1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)
+    scale = (1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)).astype(dtype)
     dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
     xbytes = x.nbytes
     copy_t = time_call(jax.jit(_copy_baseline), (x, scale), repeats)
