@@ -104,6 +104,18 @@ def _sum_of_products(a: jax.Array, b: jax.Array, keep: tuple[int, ...]) -> jax.A
     return total.reshape(tuple(a.shape[i] if i in keep else 1 for i in range(a.ndim)))
 
 
+def _first_k(cfg: NormConfig, x: jax.Array) -> jax.Array:
+    """``x`` with the elements past the first ``k`` of each row zeroed or dropped.
+
+    With one local normalized axis the tail is sliced away, so the statistic reads only
+    ``k`` elements per row; otherwise (several axes, or features split across
+    devices) it is masked.
+    """
+    if len(cfg.axes) == 1 and cfg.axis_name is None:
+        return lax.slice_in_dim(x, 0, cfg.k, axis=cfg.axes[0])
+    return jnp.where(_partial_mask(cfg, x.shape), x, 0)
+
+
 def _row_sum_of_products(cfg: NormConfig, a: jax.Array, b: jax.Array) -> jax.Array:
     """Per-row ``sum(a * b)``, across devices too when the features are split."""
     keep = tuple(i for i in range(a.ndim) if i not in cfg.axes)
@@ -129,7 +141,7 @@ def _forward(cfg: NormConfig, x, scale, bias):
     # The squares are summed by a dot on x in its own dtype with compute-dtype
     # accumulation: products of two float16/bfloat16 values are exact in float32, and
     # no float32 copy of x is made for the reduction.
-    x_head = jnp.where(_partial_mask(cfg, x.shape), x, 0) if cfg.partial else x
+    x_head = _first_k(cfg, x) if cfg.partial else x
     ms = _row_sum_of_products(cfg, x_head, x_head) * (1.0 / cfg.k)
     row_stat = lax.rsqrt(ms + cfg.eps) if cfg.inside else jnp.sqrt(ms)
     y = x.astype(cfg.compute_dtype) * _inv_rms(cfg, row_stat)

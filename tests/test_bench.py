@@ -1,0 +1,36 @@
+"""The benchmark's --quick smoke run: every implementation measured, files written.
+
+No timing is asserted (the machine is shared and noisy); the residual memory is a
+property of the program, not of the machine, so it is checked.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = bench
+    spec.loader.exec_module(bench)
+    results = bench.main(["--quick", "--out", str(tmp_path)])
+    impls = {r["impl"] for r in results}
+    assert impls == {"baseline", *bench.IMPLEMENTATIONS}
+    assert {(r["features"], r["dtype"]) for r in results} == {
+        (f, d) for f in (256, 1024) for d in ("float32", "bfloat16")
+    }
+    for r in results:
+        assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0
+        if r["impl"] in ("rms_norm", "rms_norm p=0.0625", "RMSNorm module"):
+            # x, scale and one float32 per row: just over 1x bytes(x).
+            assert 1.0 <= r["residual_x"] < 1.1
+        if r["impl"] == "flax RMSNorm":
+            assert r["residual_x"] > (2.9 if r["dtype"] == "float32" else 5.9)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert len(saved["results"]) == len(results)
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    assert "| features |" in (tmp_path / "results.md").read_text()
