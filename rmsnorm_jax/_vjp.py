@@ -141,7 +141,10 @@ def _forward(cfg: NormConfig, x, scale, bias):
     # The squares are summed by a dot on x in its own dtype with compute-dtype
     # accumulation: products of two float16/bfloat16 values are exact in float32, and
     # no float32 copy of x is made for the reduction.
-    x_head = _first_k(cfg, x) if cfg.partial else x
+    # pRMSNorm: the barrier keeps the statistic's read of the first k features apart
+    # from the full-size normalisation, which XLA:CPU otherwise feeds from a
+    # materialised float32 copy of all of x (measured 3x slower in bfloat16).
+    x_head = _first_k(cfg, lax.optimization_barrier(x)) if cfg.partial else x
     ms = _row_sum_of_products(cfg, x_head, x_head) * (1.0 / cfg.k)
     row_stat = lax.rsqrt(ms + cfg.eps) if cfg.inside else jnp.sqrt(ms)
     y = x.astype(cfg.compute_dtype) * _inv_rms(cfg, row_stat)
