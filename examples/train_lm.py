@@ -371,7 +371,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -
         initial=start,
         total=cfg.steps,
         desc=cfg.norm,
-        disable=not cfg.progress,
+        disable=not cfg.progress or jax.process_index() != 0,
         dynamic_ncols=True,
     )
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -403,8 +403,9 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -
     manager.close()
     metrics["final_eval_loss"] = metrics["eval"][-1]["loss"] if metrics["eval"] else None
     metrics["wall_time"] = elapsed
-    (workdir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    plot_losses({cfg.norm: metrics}, workdir / "loss.png")
+    if jax.process_index() == 0:  # one writer when the run spans several hosts
+        (workdir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        plot_losses({cfg.norm: metrics}, workdir / "loss.png")
     return metrics
 
 
@@ -472,10 +473,11 @@ def compare(cfg: Config, workdir: Path) -> dict[str, dict]:
             f"{r['final_val_loss']:.3f} | {r['wall_time_s']:.1f} |"
         )
     table = "\n".join(lines)
-    print(table)
-    (workdir / "compare.json").write_text(json.dumps(rows, indent=1))
-    (workdir / "compare.md").write_text(table + "\n")
-    plot_losses(runs, workdir / "compare.png")
+    if jax.process_index() == 0:
+        print(table)
+        (workdir / "compare.json").write_text(json.dumps(rows, indent=1))
+        (workdir / "compare.md").write_text(table + "\n")
+        plot_losses(runs, workdir / "compare.png")
     return runs
 
 
