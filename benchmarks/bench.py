@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -140,13 +141,23 @@ def bench_shape(rows: int, features: int, dtype, repeats: int) -> list[dict]:
     return results
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> str:
     dev = jax.devices()[0]
-    kind = getattr(dev, "device_kind", dev.platform)
-    return (
-        f"{platform.machine()} {platform.processor() or ''} ({jax.device_count()} {dev.platform} "
-        f"device(s): {kind}), jax {jax.__version__}"
-    ).replace("  ", " ")
+    if dev.platform == "cpu":
+        where = f"{_cpu_model()}, {os.cpu_count()} cores"
+    else:
+        where = f"{jax.device_count()} x {dev.device_kind}"
+    return f"{where} ({dev.platform}), jax {jax.__version__}"
 
 
 def to_markdown(results: list[dict]) -> str:
@@ -166,11 +177,30 @@ def to_markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+def summary_markdown(results: list[dict]) -> str:
+    """One line per shape and dtype: rms_norm against the baselines and flax."""
+    lines = [
+        "| features | dtype | rows | fwd / copy | fwd+bwd / traffic | speed-up vs flax "
+        "(p=1, p=0.0625, module) | residuals / bytes(x): ours, flax |",
+        "|---:|---|---:|---:|---:|---|---|",
+    ]
+    for f, dtype in dict.fromkeys((r["features"], r["dtype"]) for r in results):
+        row = {r["impl"]: r for r in results if r["features"] == f and r["dtype"] == dtype}
+        ours = row["rms_norm"]
+        speedups = ", ".join(
+            f"{row[k]['speedup_vs_flax']:.2f}x"
+            for k in ("rms_norm", "rms_norm p=0.0625", "RMSNorm module")
+        )
+        lines.append(
+            f"| {f} | {dtype} | {ours['rows']} | {ours['fwd_vs_baseline']:.2f} "
+            f"| {ours['fwd_bwd_vs_baseline']:.2f} | {speedups} "
+            f"| {ours['residual_x']:.2f}, {row['flax RMSNorm']['residual_x']:.2f} |"
+        )
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(results: list[dict], path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
     dtypes = sorted({r["dtype"] for r in results})
     impls = [
@@ -180,7 +210,8 @@ def plot(results: list[dict], path: Path) -> None:
         and r["dtype"] == results[0]["dtype"]
         and r["impl"] != "baseline"
     ]
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
+    fig = Figure(figsize=(6 * len(dtypes), 4))
+    axes = fig.subplots(1, len(dtypes), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
         shapes = sorted({r["features"] for r in results if r["dtype"] == dtype})
         width = 0.8 / len(impls)
@@ -202,7 +233,6 @@ def plot(results: list[dict], path: Path) -> None:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -234,6 +264,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         json.dumps({"machine": machine(), "repeats": repeats, "results": results}, indent=1)
     )
     (out / "results.md").write_text(header + table + "\n")
+    (out / "summary.md").write_text(header + summary_markdown(results) + "\n")
     plot(results, out / "results.png")
     return results
 

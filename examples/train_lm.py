@@ -197,8 +197,10 @@ class TransformerLM(nn.Module):
         embed = nn.Embed(
             256,
             cfg.d_model,
+            # std 1/sqrt(d): with the tied output head and the final norm, the initial
+            # logits are O(1) and the first loss is near log(256), not a confident copy.
             embedding_init=nn.with_logical_partitioning(
-                nn.initializers.normal(1.0), ("vocab", "embed")
+                nn.initializers.normal(cfg.d_model**-0.5), ("vocab", "embed")
             ),
         )
         pos = self.param(
@@ -222,8 +224,13 @@ def make_mesh(cfg: Config) -> jax.sharding.Mesh:
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    warmup = min(cfg.warmup_steps, cfg.steps - 1)  # the cosine needs at least one step
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, end_value=cfg.learning_rate / 10
+        0.0,
+        cfg.learning_rate,
+        max(warmup, 0),
+        max(cfg.steps, warmup + 1),
+        end_value=cfg.learning_rate / 10,
     )
     return optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -328,7 +335,7 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -
     Returns the metrics dict (also written to ``<workdir>/metrics.json``).
     """
     import orbax.checkpoint as ocp
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -414,12 +421,10 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -
 
 def plot_losses(runs: dict[str, dict], path: Path) -> None:
     """Train and validation loss against step, and validation loss against wall time."""
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend alone
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    by_step, by_time = fig.subplots(1, 2)
     for name, m in runs.items():
         steps = [e["step"] for e in m["eval"]]
         losses = [e["loss"] for e in m["eval"]]
@@ -443,7 +448,6 @@ def plot_losses(runs: dict[str, dict], path: Path) -> None:
     fig.suptitle("byte-level LM on " + ("the pydoc topics corpus"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def compare(cfg: Config, workdir: Path) -> dict[str, dict]:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._vjp import NormConfig, _vma, rms_norm_core
+from ._vjp import NormConfig, rms_norm_core
 
 EPS_PLACEMENTS = ("inside", "outside")
 
@@ -228,9 +228,7 @@ def rms_norm(
         compute_dtype=np.dtype(jnp.promote_types(inferred, jnp.float32)),
         out_dtype=np.dtype(out_dtype),
         axis_name=axis_name,
-        bias_shape=None if bias is None else tuple(bias.shape),
-        bias_dtype=None if bias is None else np.dtype(bias.dtype),
-        bias_vma=frozenset() if bias is None else _vma(bias),
+        bias_type=None if bias is None else jax.typeof(bias),
     )
     return rms_norm_core(cfg, x, scale, bias)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Hashable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,9 @@ class NormConfig:
       compute_dtype: dtype of the statistics and the normalisation (>= float32).
       out_dtype: dtype of ``y``.
       axis_name: mapped axis (or tuple) across which the features are split.
-      bias_shape, bias_dtype, bias_vma: what the bias cotangent must look like; the
-        bias itself is not kept for the backward pass.
+      bias_type: ``jax.typeof(bias)`` (shape, dtype, sharding, varying mesh axes):
+        what the bias cotangent must look like; the bias itself is not kept for the
+        backward pass.
     """
 
     axes: tuple[int, ...]
@@ -51,23 +53,25 @@ class NormConfig:
     compute_dtype: np.dtype
     out_dtype: np.dtype
     axis_name: Hashable | None
-    bias_shape: tuple[int, ...] | None
-    bias_dtype: np.dtype | None
-    bias_vma: frozenset = frozenset()
+    bias_type: Any = None
 
     @property
     def partial(self) -> bool:
         return self.k < self.n_global
 
 
-def _vma(a) -> frozenset:
-    """Mesh axes along which ``a`` varies inside ``shard_map`` (empty outside)."""
-    manual = getattr(jax.typeof(a), "manual_axis_type", None)
+def _vma(aval) -> frozenset:
+    """Mesh axes along which a value of type ``aval`` varies inside ``shard_map``."""
+    manual = getattr(aval, "manual_axis_type", None)
     return frozenset(manual.varying) if manual is not None else frozenset()
 
 
-def _axis_tuple(axis_name) -> tuple:
-    return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+def _explicit_spec(aval) -> tuple | None:
+    """The partition spec of ``aval`` when any of its axes is explicitly sharded."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if spec is None or all(entry is None for entry in spec):
+        return None
+    return tuple(spec) + (None,) * (len(aval.shape) - len(spec))
 
 
 def _partial_mask(cfg: NormConfig, shape: tuple[int, ...]) -> jax.Array:
@@ -88,8 +92,10 @@ def _partial_mask(cfg: NormConfig, shape: tuple[int, ...]) -> jax.Array:
     return flat < cfg.k
 
 
-def _sum_of_products(a: jax.Array, b: jax.Array, keep: tuple[int, ...]) -> jax.Array:
+def _sum_of_products(a: jax.Array, b: jax.Array, keep: tuple[int, ...], accumulate) -> jax.Array:
     """``sum(a * b)`` over every axis not in ``keep``, with size-1 dims left in their place.
+
+    The products and the sum are in ``accumulate`` whatever the operands' dtype.
 
     Written as a ``dot_general`` (the kept axes are its batch axes) rather than
     ``jnp.sum(a * b, axes)``: XLA:CPU turns the dot into one fused multiply-reduce that
@@ -97,11 +103,31 @@ def _sum_of_products(a: jax.Array, b: jax.Array, keep: tuple[int, ...]) -> jax.A
     leading (row) axes such as the scale gradient; on GPU and TPU both forms fuse alike.
     """
     contract = tuple(i for i in range(a.ndim) if i not in keep)
-    accumulate = jnp.promote_types(a.dtype, jnp.float32)
     total = lax.dot_general(
-        a, b, ((contract, contract), (keep, keep)), preferred_element_type=accumulate
+        a,
+        b,
+        ((contract, contract), (keep, keep)),
+        preferred_element_type=accumulate,
+        out_sharding=_kept_sharding(a, keep),
     )
     return total.reshape(tuple(a.shape[i] if i in keep else 1 for i in range(a.ndim)))
+
+
+def _kept_sharding(a: jax.Array, keep: tuple[int, ...]):
+    """The output sharding of a sum over the axes not in ``keep``, for explicit meshes.
+
+    With explicitly sharded axes (``jax.sharding.AxisType.Explicit``) a dot whose
+    contracted axes are sharded must be told its output sharding: the kept axes keep
+    theirs, the contracted ones are summed across devices. Otherwise (no mesh, auto
+    or manual axes) ``None`` lets XLA decide, as ``jnp.sum`` would.
+    """
+    aval = jax.typeof(a)
+    spec = _explicit_spec(aval)
+    if spec is None:
+        return None
+    return jax.sharding.NamedSharding(
+        aval.sharding.mesh, jax.sharding.PartitionSpec(*(spec[i] for i in keep))
+    )
 
 
 def _first_k(cfg: NormConfig, x: jax.Array) -> jax.Array:
@@ -119,22 +145,18 @@ def _first_k(cfg: NormConfig, x: jax.Array) -> jax.Array:
 def _row_sum_of_products(cfg: NormConfig, a: jax.Array, b: jax.Array) -> jax.Array:
     """Per-row ``sum(a * b)``, across devices too when the features are split."""
     keep = tuple(i for i in range(a.ndim) if i not in cfg.axes)
-    total = _sum_of_products(a, b, keep)
+    total = _sum_of_products(a, b, keep, cfg.compute_dtype)
     if cfg.axis_name is not None:
         total = lax.psum(total, cfg.axis_name)
     return total
 
 
-def _scale_factor(cfg: NormConfig, scale):
-    if scale is None:
-        return None
-    factor = scale.astype(cfg.compute_dtype)
-    return factor + cfg.scale_offset if cfg.scale_offset else factor
-
-
 def _scaled(cfg: NormConfig, a: jax.Array, scale) -> jax.Array:
-    """``a * (scale + scale_offset)``, or ``a`` without a scale."""
-    return a if scale is None else a * _scale_factor(cfg, scale)
+    """``a * (scale + scale_offset)`` in the compute dtype, or ``a`` without a scale."""
+    if scale is None:
+        return a
+    factor = scale.astype(cfg.compute_dtype)
+    return a * (factor + cfg.scale_offset if cfg.scale_offset else factor)
 
 
 def _inv_rms(cfg: NormConfig, row_stat: jax.Array) -> jax.Array:
@@ -143,13 +165,12 @@ def _inv_rms(cfg: NormConfig, row_stat: jax.Array) -> jax.Array:
 
 def _forward(cfg: NormConfig, x, scale, bias):
     """Returns ``(y, row_stat)``; ``row_stat`` is the per-row residual (see module doc)."""
-    # The squares are summed by a dot on x in its own dtype with compute-dtype
-    # accumulation: products of two float16/bfloat16 values are exact in float32, and
-    # no float32 copy of x is made for the reduction.
     # The barrier keeps the statistic's read of x (of its first k features for
     # pRMSNorm) apart from the full-size normalisation. Fused together, XLA:CPU feeds
-    # both from a materialised float32 copy of x: measured 3x to 10x slower for
+    # both from a materialised float32 copy of x: measured 3x to 7x slower for
     # bfloat16 rows of 5120 and 8192 features and for pRMSNorm, neutral for float32.
+    # The squares are summed by a dot on x in its own dtype with compute-dtype
+    # accumulation: products of two float16/bfloat16 values are exact in float32.
     x_stat = lax.optimization_barrier(x)
     x_head = _first_k(cfg, x_stat) if cfg.partial else x_stat
     ms = _row_sum_of_products(cfg, x_head, x_head) * (1.0 / cfg.k)
@@ -161,11 +182,17 @@ def _forward(cfg: NormConfig, x, scale, bias):
     return y.astype(cfg.out_dtype), row_stat
 
 
-def _reduce_to_shape(a: jax.Array, b: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """``sum(a * b)`` over the axes along which ``shape`` was broadcast up to ``a.shape``."""
+def _parameter_cotangent(a: jax.Array, b: jax.Array, primal) -> jax.Array:
+    """``sum(a * b)`` over the axes along which ``primal`` was broadcast to ``a.shape``,
+    returned with the primal's type: shape, dtype, sharding and varying mesh axes."""
+    shape = primal.shape
     lead = a.ndim - len(shape)
     keep = tuple(lead + i for i, d in enumerate(shape) if d != 1 or a.shape[lead + i] == 1)
-    return _sum_of_products(a, b, keep).reshape(shape)
+    ct = _sum_of_products(a, b, keep, a.dtype).reshape(shape).astype(primal.dtype)
+    if _explicit_spec(primal) is not None or _explicit_spec(jax.typeof(ct)) is not None:
+        # Explicit sharding: the cotangent must carry the primal's own sharding.
+        ct = jax.sharding.reshard(ct, primal.sharding.spec)
+    return _match_vma(ct, _vma(primal))
 
 
 def _match_vma(ct: jax.Array, target_vma: frozenset) -> jax.Array:
@@ -199,7 +226,7 @@ def _backward(cfg: NormConfig, residuals, dy):
     # inputs through an optimization barrier so that XLA fuses each pass with its own
     # dtype casts and broadcasts. Without the barriers XLA:CPU materialises full-size
     # float32 copies of x, dy, the scale and the inverse RMS shared by the passes
-    # (measured: the backward 1.5x to 4x slower, worst for bfloat16 and wide rows).
+    # (measured: the backward 1.5x to 3.5x slower, worst for bfloat16 and wide rows).
     # On GPU and TPU the passes are separate kernels anyway, reading x and dy from
     # memory, so the barriers cost nothing there.
     x_c, dy_c = lax.optimization_barrier((x, dy))
@@ -216,20 +243,16 @@ def _backward(cfg: NormConfig, residuals, dy):
     if cfg.partial:
         correction = jnp.where(_partial_mask(cfg, x.shape), correction, 0)
     dx = (inv_rms * _scaled(cfg, dy.astype(cd), scale) - correction).astype(x.dtype)
-    dx = _match_vma(dx, _vma(x))
+    dx = _match_vma(dx, _vma(jax.typeof(x)))
 
     x_p, dy_p, row_stat_p = lax.optimization_barrier((x, dy, row_stat))
     dy_pf = dy_p.astype(cd)
-    dscale = None
+    dscale = dbias = None
     if scale is not None:
         dyhat = dy_pf * _inv_rms(cfg, row_stat_p)
-        dscale = _reduce_to_shape(dyhat, x_p.astype(cd), scale.shape).astype(scale.dtype)
-        dscale = _match_vma(dscale, _vma(scale))
-    dbias = None
-    if cfg.bias_shape is not None:
-        ones = jnp.ones_like(dy_pf)
-        dbias = _reduce_to_shape(dy_pf, ones, cfg.bias_shape).astype(cfg.bias_dtype)
-        dbias = _match_vma(dbias, cfg.bias_vma)
+        dscale = _parameter_cotangent(dyhat, x_p.astype(cd), jax.typeof(scale))
+    if cfg.bias_type is not None:
+        dbias = _parameter_cotangent(dy_pf, jnp.ones_like(dy_pf), cfg.bias_type)
     return dx, dscale, dbias
 
 

@@ -116,3 +116,30 @@ def test_partial_with_split_features_needs_one_axis(mesh):
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(None, "model"), out_specs=P(None, "model"))
     with pytest.raises(ValueError, match="needs exactly one normalized axis"):
         jax.jit(mapped)(jnp.ones((4, 8)))
+
+
+@pytest.mark.parametrize("p", [1.0, 0.25])
+def test_explicit_sharding_mesh(p):
+    """jax.make_mesh's default (Explicit axes): sharded contractions need an out_sharding."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+    x, scale, bias, ct = _data((16, 64), seed=4)
+
+    def value_and_grads(x, scale, bias):
+        def loss(x, scale, bias):
+            return jnp.sum(rms_norm(x, scale, bias=bias, p=p) * ct)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, scale, bias)
+
+    expected = jax.jit(value_and_grads)(x, scale, bias)
+    place = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda x, s: rms_norm(x, s, p=p))(place(x, P("data", "model")),
+                                                        place(scale, P("model")))
+        got = jax.jit(value_and_grads)(
+            place(x, P("data", "model")), place(scale, P("model")), place(bias, P())
+        )
+    assert y.sharding.spec == P("data", "model")
+    np.testing.assert_allclose(y, rms_norm(x, scale, p=p), rtol=1e-6, atol=1e-6)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
