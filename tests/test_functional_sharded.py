@@ -134,8 +134,9 @@ def test_explicit_sharding_mesh(p):
     expected = jax.jit(value_and_grads)(x, scale, bias)
     place = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     with jax.set_mesh(mesh):
-        y = jax.jit(lambda x, s: rms_norm(x, s, p=p))(place(x, P("data", "model")),
-                                                        place(scale, P("model")))
+        y = jax.jit(lambda x, s: rms_norm(x, s, p=p))(
+            place(x, P("data", "model")), place(scale, P("model"))
+        )
         got = jax.jit(value_and_grads)(
             place(x, P("data", "model")), place(scale, P("model")), place(bias, P())
         )
