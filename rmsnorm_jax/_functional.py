@@ -50,28 +50,30 @@ def normalize_axes(axis: Any, ndim: int, name: str = "axis") -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _check_eps(eps: Any) -> float:
-    if isinstance(eps, jax.core.Tracer):
+def _static_float(name: str, value: Any, accepted: str) -> float:
+    """``value`` as a Python float; a traced, boolean or non-numeric value is a TypeError."""
+    if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            "eps is a traced value; it must be a static Python float. Pass it as a "
-            "constant (or mark it static in jax.jit with static_argnames)."
+            f"{name} is a traced value; it must be a static Python float ({accepted}). "
+            f"Pass it as a constant (or mark it static in jax.jit with static_argnames)."
         )
-    try:
-        value = float(eps)
-    except (TypeError, ValueError):
-        raise TypeError(f"eps must be a non-negative float, got {eps!r}.") from None
-    if isinstance(eps, bool) or math.isnan(value) or value < 0 or math.isinf(value):
+    if not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise TypeError(f"{name} must be a Python float ({accepted}), got {value!r}.")
+
+
+def _check_eps(eps: Any) -> float:
+    value = _static_float("eps", eps, ">= 0, e.g. 1e-6")
+    if not 0.0 <= value < math.inf:
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}; e.g. eps=1e-6.")
     return value
 
 
 def _check_p(p: Any) -> float:
-    if isinstance(p, jax.core.Tracer) or isinstance(p, bool):
-        raise TypeError(f"p must be a static Python float in (0, 1], got {p!r}.")
-    try:
-        value = float(p)
-    except (TypeError, ValueError):
-        raise TypeError(f"p must be a Python float in (0, 1], got {p!r}.") from None
+    value = _static_float("p", p, "in (0, 1]")
     if not 0.0 < value <= 1.0:
         raise ValueError(
             f"p must be in (0, 1] (the fraction of features the RMS is estimated from), "
@@ -234,14 +236,7 @@ def rms_norm(
 
 
 def _check_scale_offset(scale_offset: Any) -> float:
-    if isinstance(scale_offset, jax.core.Tracer) or isinstance(scale_offset, bool):
-        raise TypeError(f"scale_offset must be a static Python float, got {scale_offset!r}.")
-    try:
-        value = float(scale_offset)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"scale_offset must be a Python float (e.g. 0.0 or 1.0), got {scale_offset!r}."
-        ) from None
+    value = _static_float("scale_offset", scale_offset, "e.g. 0.0 or 1.0")
     if not math.isfinite(value):
         raise ValueError(f"scale_offset must be finite, got {scale_offset!r}.")
     return value

@@ -45,6 +45,22 @@ def feature_param_shapes(
     return param_shape, broadcast_shape
 
 
+def normalize(module: Any, x: jax.Array, scale, bias) -> jax.Array:
+    """``rms_norm`` configured from a module's fields (shared by the linen and NNX twins)."""
+    return rms_norm(
+        x,
+        scale,
+        module.epsilon,
+        bias=bias,
+        axis=module.reduction_axes,
+        p=module.p,
+        scale_offset=module.scale_offset,
+        eps_placement=module.eps_placement,
+        dtype=module.dtype,
+        axis_name=module.axis_name,
+    )
+
+
 class RMSNorm(nn.Module):
     r"""RMS layer normalisation (and pRMSNorm) as a Flax linen Module.
 
@@ -152,15 +168,4 @@ class RMSNorm(nn.Module):
             scale = self._feature_param("scale", self.scale_init, shape, broadcast_shape)
         if self.use_bias:
             bias = self._feature_param("bias", self.bias_init, shape, broadcast_shape)
-        return rms_norm(
-            x,
-            scale,
-            self.epsilon,
-            bias=bias,
-            axis=self.reduction_axes,
-            p=self.p,
-            scale_offset=self.scale_offset,
-            eps_placement=self.eps_placement,
-            dtype=self.dtype,
-            axis_name=self.axis_name,
-        )
+        return normalize(self, x, scale, bias)

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.typing import Axes, Dtype, Initializer
 
-from ._functional import rms_norm
-from .linen import feature_param_shapes, unsupported_options
+from .linen import feature_param_shapes, normalize, unsupported_options
 
 
 class RMSNorm(nnx.Module):
@@ -128,15 +127,9 @@ class RMSNorm(nnx.Module):
         bias = None if self.bias is None else self.bias[...]
         if self.promote_dtype is not None:
             x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
-        return rms_norm(
+        return normalize(
+            self,
             x,
             None if scale is None else scale.reshape(broadcast_shape),
-            self.epsilon,
-            bias=None if bias is None else bias.reshape(broadcast_shape),
-            axis=self.reduction_axes,
-            p=self.p,
-            scale_offset=self.scale_offset,
-            eps_placement=self.eps_placement,
-            dtype=self.dtype,
-            axis_name=self.axis_name,
+            None if bias is None else bias.reshape(broadcast_shape),
         )
