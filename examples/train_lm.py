@@ -530,7 +530,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser.add_argument(
         "--distributed",
         action="store_true",
-        help="call jax.distributed.initialize() (multi-host TPU/GPU)",
+        help="call jax.distributed.initialize() (automatic under SLURM, Open MPI, "
+        "multi-host TPU or JAX_COORDINATOR_ADDRESS)",
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -588,9 +589,20 @@ def validate_for_devices(cfg: Config) -> None:
         raise ValueError(f"--num-heads {cfg.num_heads} must be divisible by the model axis {model}")
 
 
+def launched_as_several_processes(env=os.environ) -> bool:
+    """True under a multi-process launcher that jax.distributed.initialize() can read:
+    an explicit coordinator, SLURM or Open MPI with several tasks, a multi-host TPU."""
+    return (
+        bool(env.get("JAX_COORDINATOR_ADDRESS"))
+        or int(env.get("SLURM_NTASKS", "1")) > 1
+        or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+        or "," in env.get("TPU_WORKER_HOSTNAMES", "")
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
-    if args.distributed:
+    if args.distributed or launched_as_several_processes():
         jax.distributed.initialize()
     try:
         validate_for_devices(cfg)

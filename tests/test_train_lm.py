@@ -119,3 +119,19 @@ def test_missing_or_empty_data_file(train_lm, capsys, tmp_path, content):
 def test_mesh_that_does_not_fit_the_devices(train_lm, capsys, tmp_path):
     assert train_lm.main(["--mesh", "3,3", "--workdir", str(tmp_path)]) == 2
     assert "needs 9 devices; this run has 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, False),
+        ({"SLURM_NTASKS": "1"}, False),
+        ({"SLURM_NTASKS": "4"}, True),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, True),
+        ({"TPU_WORKER_HOSTNAMES": "t1"}, False),
+        ({"TPU_WORKER_HOSTNAMES": "t1,t2,t3,t4"}, True),
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, True),
+    ],
+)
+def test_multi_process_launch_is_detected(train_lm, env, expected):
+    assert train_lm.launched_as_several_processes(env) is expected
