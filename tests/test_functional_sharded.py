@@ -144,3 +144,25 @@ def test_explicit_sharding_mesh(p):
     np.testing.assert_allclose(y, rms_norm(x, scale, p=p), rtol=1e-6, atol=1e-6)
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [1.0, 0.25])
+def test_pmap_with_features_split(p):
+    """pmap over 4 devices, each holding a quarter of the features; gradient of the
+    global loss taken per device (the backward's psum joins the cross terms)."""
+    x, scale, _, _ = _data((3, 16), seed=5)
+    joined = lambda a: a.swapaxes(0, 1).reshape(3, 16)
+    xs, ss = x.reshape(3, 4, 4).swapaxes(0, 1), scale.reshape(4, 4)  # device axis first
+    devices = jax.devices()[:4]
+
+    def loss(norm):
+        return lambda x, s: jnp.sum(jnp.sin(norm(x, s)))
+
+    sharded = lambda x, s: rms_norm(x, s, p=p, axis_name="d")
+    y = jax.pmap(sharded, axis_name="d", devices=devices)(xs, ss)
+    dx, ds = jax.pmap(jax.grad(loss(sharded), (0, 1)), axis_name="d", devices=devices)(xs, ss)
+    single = lambda x, s: rms_norm(x, s, p=p)
+    dx_ref, ds_ref = jax.grad(loss(single), (0, 1))(x, scale)
+    np.testing.assert_allclose(joined(y), single(x, scale), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(joined(dx), dx_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ds.reshape(16), ds_ref, rtol=1e-5, atol=1e-5)
