@@ -225,10 +225,10 @@ def _backward(cfg: NormConfig, residuals, dy):
     # dx, and the parameter gradients' sum over rows. Each reads its own copy of the
     # inputs through an optimization barrier so that XLA fuses each pass with its own
     # dtype casts and broadcasts. Without the barriers XLA:CPU materialises full-size
-    # float32 copies of x, dy, the scale and the inverse RMS shared by the passes
-    # (measured: the backward 1.5x to 3.5x slower, worst for bfloat16 and wide rows).
-    # On GPU and TPU the passes are separate kernels anyway, reading x and dy from
-    # memory, so the barriers cost nothing there.
+    # float32 copies of x, dy and the inverse RMS shared by the passes (measured: the
+    # backward 1.5x to 3.5x slower, worst for bfloat16 and wide rows). On GPU and TPU
+    # the passes are separate kernels anyway, each reading x and dy from memory, so
+    # the barriers cost nothing there.
     x_c, dy_c = lax.optimization_barrier((x, dy))
     gdy_c = _scaled(cfg, dy_c.astype(cd), scale)
     # (1/k) sum_j gdy_j xhat_j, computed on x (not xhat) and scaled per row: no
@@ -239,10 +239,14 @@ def _backward(cfg: NormConfig, residuals, dy):
     else:
         safe = jnp.where(row_stat > 0, row_stat, 1.0)
         alpha = jnp.where(row_stat > 0, 1.0 / safe, 0.0)
-    correction = x.astype(cd) * (mean_term * alpha * inv_rms)
+    x_factor = mean_term * alpha * inv_rms
+    # The elementwise pass reads its own copies too, with the per-row factor: XLA:CPU
+    # then stops converting all of x to float32 in memory for it (bfloat16: ~1.4x).
+    x_d, dy_d, x_factor = lax.optimization_barrier((x, dy, x_factor))
+    correction = x_d.astype(cd) * x_factor
     if cfg.partial:
         correction = jnp.where(_partial_mask(cfg, x.shape), correction, 0)
-    dx = (inv_rms * _scaled(cfg, dy.astype(cd), scale) - correction).astype(x.dtype)
+    dx = (inv_rms * _scaled(cfg, dy_d.astype(cd), scale) - correction).astype(x.dtype)
     dx = _match_vma(dx, _vma(jax.typeof(x)))
 
     x_p, dy_p, row_stat_p = lax.optimization_barrier((x, dy, row_stat))
