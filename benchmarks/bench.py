@@ -10,7 +10,7 @@ under autodiff; plus two baselines that allocate their outputs the same way: a
 jitted ``x * 2`` (the forward's traffic: read x, write y) and ``(x * 2, x * dy)``
 (forward+backward traffic: read x, write y, read x and dy, write dx).
 
-Reported: median time of N runs after warm-up, effective GB/s by the byte model of
+Reported: median time of N interleaved rounds after warm-up, effective GB/s by the byte model of
 ``../shared/FACTS.md`` (forward 2 bytes-per-element moves, forward+backward 5), the
 ratio to the baseline, the speed-up over ``flax.linen.RMSNorm``, and the bytes the
 backward pass keeps alive (``jax.vjp`` residuals) as a multiple of bytes(x). Writes
@@ -90,16 +90,23 @@ def _traffic_baseline(x, scale, dy):
     return x * 2, x * dy
 
 
-def time_call(fn, args, repeats: int) -> float:
-    """Median wall time in seconds after two warm-up calls."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
+def time_calls(calls: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, float]:
+    """Median wall time in seconds of each call, after two warm-up calls of each.
+
+    The calls are interleaved, one of each per round, so that every implementation and
+    its baseline see the same machine state (load from other processes, allocator and
+    cache state) and the ratios within a round are fair on a shared, noisy machine.
+    """
+    for fn, args in calls.values():
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, (fn, args) in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def residual_bytes(fn, x, scale) -> int:
@@ -113,18 +120,25 @@ def bench_shape(rows: int, features: int, dtype, repeats: int) -> list[dict]:
     scale = (1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)).astype(dtype)
     dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
     xbytes = x.nbytes
-    copy_t = time_call(jax.jit(_copy_baseline), (x, scale), repeats)
-    traffic_t = time_call(jax.jit(_traffic_baseline), (x, scale, dy), repeats)
-    results = [dict(impl="baseline", fwd_s=copy_t, fwd_bwd_s=traffic_t, residual_x=None)]
+    forward = {"baseline": (jax.jit(_copy_baseline), (x, scale))}
+    forward_backward = {"baseline": (jax.jit(_traffic_baseline), (x, scale, dy))}
     for name, fn in IMPLEMENTATIONS.items():
-        results.append(
-            dict(
-                impl=name,
-                fwd_s=time_call(_forward(fn), (x, scale), repeats),
-                fwd_bwd_s=time_call(_forward_backward(fn), (x, scale, dy), repeats),
-                residual_x=residual_bytes(fn, x, scale) / xbytes,
-            )
+        forward[name] = (_forward(fn), (x, scale))
+        forward_backward[name] = (_forward_backward(fn), (x, scale, dy))
+    fwd_t = time_calls(forward, repeats)
+    fwd_bwd_t = time_calls(forward_backward, repeats)
+    results = [
+        dict(
+            impl=name,
+            fwd_s=fwd_t[name],
+            fwd_bwd_s=fwd_bwd_t[name],
+            residual_x=None
+            if name == "baseline"
+            else residual_bytes(IMPLEMENTATIONS[name], x, scale) / xbytes,
         )
+        for name in forward
+    ]
+    copy_t, traffic_t = fwd_t["baseline"], fwd_bwd_t["baseline"]
     flax_fb = next(r["fwd_bwd_s"] for r in results if r["impl"] == "flax RMSNorm")
     for r in results:
         r.update(
