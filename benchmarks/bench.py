@@ -270,7 +270,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             results.extend(bench_shape(rows, f, jnp.dtype(dtype), repeats))
             print(f"done: {dtype} {rows}x{f}", flush=True)
     table = to_markdown(results)
-    header = f"Machine: {machine()}; median of {repeats} runs; x = {mib:g} MiB per shape.\n\n"
+    header = (
+        f"Machine: {machine()}; median of {repeats} interleaved rounds; "
+        f"x = {mib:g} MiB per shape.\n\n"
+    )
     print(header + table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
