@@ -253,29 +253,24 @@ class Trainer:
         self.optimizer = make_optimizer(cfg)
         dummy = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
 
-        def init(key):
-            params = nn.meta.unbox(self.model.init(key, dummy)["params"])
+        def init_boxed(key):
+            # Parameters boxed with their logical axis names; Adam's moments, made by
+            # tree-mapping over the parameters, carry the same names.
+            params = self.model.init(key, dummy)["params"]
             return {"params": params, "opt_state": self.optimizer.init(params)}
 
-        abstract = jax.eval_shape(lambda: self.model.init(jax.random.key(0), dummy))
-        param_specs = nn.get_partition_spec(abstract)["params"]
-        with nn.logical_axis_rules(LOGICAL_RULES):
-            param_shardings = nn.logical_to_mesh_sharding(param_specs, self.mesh, LOGICAL_RULES)
-        abstract_state = jax.eval_shape(init, jax.random.key(0))
+        def init(key):
+            return nn.meta.unbox(init_boxed(key))
+
+        abstract_boxed = jax.eval_shape(init_boxed, jax.random.key(0))
+        self.state_shardings = nn.logical_to_mesh_sharding(
+            nn.get_partition_spec(abstract_boxed), self.mesh, LOGICAL_RULES
+        )
         replicated = NamedSharding(self.mesh, P())
-        self.state_shardings = {
-            "params": param_shardings,
-            # Adam's moments mirror the parameters; the counters are replicated.
-            "opt_state": jax.tree.map(
-                lambda leaf: _like_params(leaf, param_shardings, replicated),
-                abstract_state["opt_state"],
-                is_leaf=lambda x: isinstance(x, dict) and x.keys() == param_shardings.keys(),
-            ),
-        }
         self.batch_sharding = NamedSharding(self.mesh, P("data", None))
         self.abstract_state = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract_state,
+            nn.meta.unbox(abstract_boxed),
             self.state_shardings,
         )
         self.init = jax.jit(init, out_shardings=self.state_shardings)
@@ -310,12 +305,6 @@ class Trainer:
 
     def evaluate(self, params, batches: list[np.ndarray]) -> float:
         return float(np.mean([self.eval_step(params, self.put_batch(b)) for b in batches]))
-
-
-def _like_params(leaf, param_shardings, replicated):
-    if isinstance(leaf, dict) and leaf.keys() == param_shardings.keys():
-        return param_shardings
-    return jax.tree.map(lambda _: replicated, leaf)
 
 
 def _checkpoint_manager(workdir: Path, cfg: Config):
