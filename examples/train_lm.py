@@ -427,14 +427,16 @@ def plot_losses(runs: dict[str, dict], path: Path) -> None:
                 label=f"{name} (train)",
             )
         by_time.plot([e["time"] for e in m["eval"]], losses, "o-", label=name)
-    entropy = next(iter(runs.values()))["unigram_entropy"]
+    first = next(iter(runs.values()))
+    entropy = first["unigram_entropy"]
+    corpus = first["config"]["data"] or "the pydoc topics corpus"
     for ax in (by_step, by_time):
         ax.axhline(entropy, color="gray", ls="--", label="unigram entropy")
         ax.set_ylabel("loss (nats/byte)")
         ax.legend()
     by_step.set_xlabel("step")
     by_time.set_xlabel("training wall time (s)")
-    fig.suptitle("byte-level LM on " + ("the pydoc topics corpus"))
+    fig.suptitle(f"byte-level LM on {corpus}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -455,7 +457,7 @@ def compare(cfg: Config, workdir: Path) -> dict[str, dict]:
                 "wall_time_s": m["wall_time"],
             }
         )
-    base = rows[-1]["median_step_ms"]
+    base = next(r["median_step_ms"] for r in rows if r["norm"] == "layernorm")
     lines = [
         "| norm | median step (ms) | vs LayerNorm | final val loss | wall (s) |",
         "|---|---|---|---|---|",
@@ -574,8 +576,13 @@ def validate_for_devices(cfg: Config) -> None:
         )
     if cfg.batch_size % data:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the data axis {data}")
-    if cfg.num_heads % model or (cfg.mlp_ratio * cfg.d_model) % model:
+    if cfg.num_heads % model:
         raise ValueError(f"--num-heads {cfg.num_heads} must be divisible by the model axis {model}")
+    if (cfg.mlp_ratio * cfg.d_model) % model:
+        raise ValueError(
+            f"the MLP width {cfg.mlp_ratio * cfg.d_model} must be divisible by the model axis "
+            f"{model}"
+        )
 
 
 def launched_as_several_processes(env=os.environ) -> bool:
@@ -615,5 +622,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     sys.exit(main())

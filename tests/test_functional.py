@@ -373,7 +373,7 @@ def test_traced_eps_raises():
         jax.jit(lambda x, eps: rms_norm(x, eps=eps))(jnp.ones((2, 4)), 1e-6)
 
 
-def test_errors_come_before_xla(monkeypatch):
+def test_errors_come_before_xla():
     # The checks run in Python on shapes and dtypes: no compile, even under jit.
     with pytest.raises(ValueError, match="does not broadcast"):
         jax.jit(rms_norm).lower(jnp.ones((2, 4)), jnp.ones(3))
