@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._backends import cpu_barrier
+
 
 @dataclasses.dataclass(frozen=True)
 class NormConfig:
@@ -171,7 +173,7 @@ def _forward(cfg: NormConfig, x, scale, bias):
     # bfloat16 rows of 5120 and 8192 features and for pRMSNorm, neutral for float32.
     # The squares are summed by a dot on x in its own dtype with compute-dtype
     # accumulation: products of two float16/bfloat16 values are exact in float32.
-    x_stat = lax.optimization_barrier(x)
+    x_stat = cpu_barrier(x)
     x_head = _first_k(cfg, x_stat) if cfg.partial else x_stat
     ms = _row_sum_of_products(cfg, x_head, x_head) * (1.0 / cfg.k)
     row_stat = lax.rsqrt(ms + cfg.eps) if cfg.inside else jnp.sqrt(ms)
@@ -229,7 +231,7 @@ def _backward(cfg: NormConfig, residuals, dy):
     # backward 1.5x to 3.5x slower, worst for bfloat16 and wide rows). On GPU and TPU
     # the passes are separate kernels anyway, each reading x and dy from memory, so
     # the barriers cost nothing there.
-    x_c, dy_c = lax.optimization_barrier((x, dy))
+    x_c, dy_c = cpu_barrier((x, dy))
     gdy_c = _scaled(cfg, dy_c.astype(cd), scale)
     # (1/k) sum_j gdy_j xhat_j, computed on x (not xhat) and scaled per row: no
     # full-size xhat exists in any pass.
@@ -242,14 +244,14 @@ def _backward(cfg: NormConfig, residuals, dy):
     x_factor = mean_term * alpha * inv_rms
     # The elementwise pass reads its own copies too, with the per-row factor: XLA:CPU
     # then stops converting all of x to float32 in memory for it (bfloat16: ~1.4x).
-    x_d, dy_d, x_factor = lax.optimization_barrier((x, dy, x_factor))
+    x_d, dy_d, x_factor = cpu_barrier((x, dy, x_factor))
     correction = x_d.astype(cd) * x_factor
     if cfg.partial:
         correction = jnp.where(_partial_mask(cfg, x.shape), correction, 0)
     dx = (inv_rms * _scaled(cfg, dy_d.astype(cd), scale) - correction).astype(x.dtype)
     dx = _match_vma(dx, _vma(jax.typeof(x)))
 
-    x_p, dy_p, row_stat_p = lax.optimization_barrier((x, dy, row_stat))
+    x_p, dy_p, row_stat_p = cpu_barrier((x, dy, row_stat))
     dy_pf = dy_p.astype(cd)
     dscale = dbias = None
     if scale is not None:
