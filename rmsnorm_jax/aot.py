@@ -213,6 +213,20 @@ def _gpu_time_us(config: dict) -> float | None:
     return float(chosen["exec_time_us"])
 
 
+def _find_key(tree: Any, key: str) -> Any:
+    """The first value stored under ``key`` anywhere in a JSON tree (depth first)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for item in tree:
+            found = _find_key(item, key)
+            if found is not None:
+                return found
+    return None
+
+
 def kernels(compiled: jax.stages.Compiled, target: Target) -> list[Kernel]:
     """The kernels of ``compiled`` that carry a cost estimate, in program order.
 
@@ -230,8 +244,10 @@ def kernels(compiled: jax.stages.Compiled, target: Target) -> list[Kernel]:
             config = json.loads(match.group(2))
         except json.JSONDecodeError:
             continue
-        if target.platform == "tpu" and "estimated_cycles" in config:
-            out.append(Kernel(match.group(1), float(config["estimated_cycles"])))
+        if target.platform == "tpu":
+            cycles = _find_key(config, "estimated_cycles")
+            if cycles is not None:
+                out.append(Kernel(match.group(1), float(cycles)))
         elif target.platform == "cuda":
             time_us = _gpu_time_us(config)
             if time_us is not None:

@@ -2,6 +2,8 @@
 
 import os
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests run on CPU; AOT compiles need it (aot.py)
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
