@@ -24,70 +24,27 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import flax.linen as nn
+if "--target" in sys.argv:
+    # Deviceless compiles for TPU/GPU need the CPU runtime alone (rmsnorm_jax.aot), set
+    # before jax is imported.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import rmsnorm_jax
+from implementations import (
+    IMPLEMENTATIONS,
+    copy_baseline,
+    forward_backward,
+    traffic_baseline,
+)
 
 FEATURES = (256, 1024, 4096, 5120, 8192)
-EPS = 1e-6
-
-
-def plain_formula(x, scale):
-    """What a user writes by hand: float32 statistics, autodiff for the gradient."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS) * scale
-    return y.astype(jnp.result_type(x, scale))
-
-
-def _module(cls, **kw) -> Callable:
-    module = cls(epsilon=EPS, **kw)
-
-    def apply(x, scale):
-        params = {"scale": scale}
-        if cls is nn.LayerNorm:
-            params["bias"] = jnp.zeros_like(scale)
-        return module.apply({"params": params}, x)
-
-    return apply
-
-
-IMPLEMENTATIONS: dict[str, Callable] = {
-    "rms_norm": lambda x, s: rmsnorm_jax.rms_norm(x, s, EPS),
-    "rms_norm p=0.0625": lambda x, s: rmsnorm_jax.rms_norm(x, s, EPS, p=0.0625),
-    "RMSNorm module": _module(rmsnorm_jax.RMSNorm),
-    "flax RMSNorm": _module(nn.RMSNorm),
-    "flax LayerNorm": _module(nn.LayerNorm),
-    "jnp + autodiff": plain_formula,
-}
-
-
-def _forward(fn):
-    return jax.jit(fn)
-
-
-def _forward_backward(fn):
-    def run(x, scale, dy):
-        y, vjp = jax.vjp(fn, x, scale)
-        return y, vjp(dy)
-
-    return jax.jit(run)
-
-
-def _copy_baseline(x, scale):
-    del scale
-    return x * 2
-
-
-def _traffic_baseline(x, scale, dy):
-    del scale
-    return x * 2, x * dy
 
 
 def time_calls(calls: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, float]:
@@ -120,13 +77,13 @@ def bench_shape(rows: int, features: int, dtype, repeats: int) -> list[dict]:
     scale = (1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)).astype(dtype)
     dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
     xbytes = x.nbytes
-    forward = {"baseline": (jax.jit(_copy_baseline), (x, scale))}
-    forward_backward = {"baseline": (jax.jit(_traffic_baseline), (x, scale, dy))}
+    fwd_calls = {"baseline": (jax.jit(copy_baseline), (x, scale))}
+    fwd_bwd_calls = {"baseline": (jax.jit(traffic_baseline), (x, scale, dy))}
     for name, fn in IMPLEMENTATIONS.items():
-        forward[name] = (_forward(fn), (x, scale))
-        forward_backward[name] = (_forward_backward(fn), (x, scale, dy))
-    fwd_t = time_calls(forward, repeats)
-    fwd_bwd_t = time_calls(forward_backward, repeats)
+        fwd_calls[name] = (jax.jit(fn), (x, scale))
+        fwd_bwd_calls[name] = (jax.jit(forward_backward(fn)), (x, scale, dy))
+    fwd_t = time_calls(fwd_calls, repeats)
+    fwd_bwd_t = time_calls(fwd_bwd_calls, repeats)
     results = [
         dict(
             impl=name,
@@ -136,7 +93,7 @@ def bench_shape(rows: int, features: int, dtype, repeats: int) -> list[dict]:
             if name == "baseline"
             else residual_bytes(IMPLEMENTATIONS[name], x, scale) / xbytes,
         )
-        for name in forward
+        for name in fwd_calls
     ]
     copy_t, traffic_t = fwd_t["baseline"], fwd_bwd_t["baseline"]
     flax_fb = next(r["fwd_bwd_s"] for r in results if r["impl"] == "flax RMSNorm")
@@ -249,15 +206,85 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main_aot(args) -> dict:
+    """``--target`` an accelerator: the compilers' estimates, written beside the CPU run."""
+    import aot_bench
+
+    from rmsnorm_jax import aot
+
+    target = aot.get_target(args.target)
+    features = [256, 1024] if args.quick else [int(f) for f in args.features.split(",")]
+    mib = 0.25 if args.quick else args.mib
+    results = []
+    for dtype in args.dtypes.split(","):
+        itemsize = jnp.dtype(dtype).itemsize
+        for f in features:
+            rows = max(8, int(mib * 2**20 / (itemsize * f)))
+            results.extend(aot_bench.estimate_shape(target, rows, f, jnp.dtype(dtype)))
+            print(f"compiled: {target.name} {dtype} {rows}x{f}", flush=True)
+    memory = aot_bench.train_step_memory(
+        target, d=256 if args.quick else 2048, tokens=512 if args.quick else 16384
+    )
+    unit = {"cycles": "TPU cycles", "us": "microseconds"}[target.estimate_unit]
+    header = (
+        f"Target: {target.name} ({target.devices[0].device_kind}), jax {jax.__version__}; "
+        f"estimates in {unit} from the compiler's cost model of a deviceless compile "
+        f"(not a hardware timing); x = {mib:g} MiB per shape.\n\n"
+    )
+    memory_header = (
+        "Train step (8 pre-norm blocks of two norms each, a linear token mixer and a 4x MLP; "
+        "bfloat16, lax.scan over layers, "
+        f"d = {2048 if not args.quick else 256}, {16384 if not args.quick else 512} "
+        "tokens): temporary memory per device from the compiled program.\n\n"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = target.name.replace(":", "_")
+    report = {
+        "target": target.name,
+        "unit": target.estimate_unit,
+        "results": results,
+        "memory": memory,
+    }
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{stem}.md").write_text(
+        header
+        + aot_bench.estimates_markdown(target, results)
+        + "\n\n"
+        + memory_header
+        + aot_bench.memory_markdown(memory)
+        + "\n"
+    )
+    summary = (
+        header
+        + aot_bench.summary_markdown(target, results)
+        + "\n\n"
+        + memory_header
+        + aot_bench.memory_markdown(memory)
+        + "\n"
+    )
+    (out / f"{stem}-summary.md").write_text(summary)
+    print(summary)
+    return report
+
+
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--mib", type=float, default=32.0, help="size of x per shape (16-128)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--features", default=",".join(map(str, FEATURES)))
+    parser.add_argument(
+        "--target",
+        default="cpu",
+        help="cpu (time on this machine) or an accelerator to compile for without one: "
+        "tpu-v5e, tpu-v6e, h100, ... (the compiler's estimates; see rmsnorm_jax.aot)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
+    if args.target != "cpu":
+        return main_aot(args)
     repeats = args.repeats or (3 if args.quick else 10)
     mib = 0.25 if args.quick else args.mib
     features = [256, 1024] if args.quick else [int(f) for f in args.features.split(",")]

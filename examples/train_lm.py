@@ -10,6 +10,8 @@ with Python itself (``pydoc_data.topics``), so nothing is downloaded.
     python examples/train_lm.py --compare                # RMSNorm vs pRMSNorm vs LayerNorm
     python examples/train_lm.py --data my.txt --steps 2000 --workdir runs/mine --resume
     python examples/train_lm.py --mesh 4,2               # data=4, model=2 devices
+    python examples/train_lm.py --compile-for tpu-v5e:4x4 --mesh 8,2 --d-model 2048
+                                 # compile the sharded step for a pod, print its memory
 
 Writes ``<workdir>/metrics.json`` (per-step train loss and step time, eval losses),
 ``<workdir>/loss.png`` and orbax checkpoints under ``<workdir>/checkpoints``;
@@ -27,6 +29,11 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+if "--compile-for" in sys.argv:
+    # Deviceless compiles for TPU/GPU need the CPU runtime alone (rmsnorm_jax.aot), and
+    # this must be set before jax is imported.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flax.linen as nn
 import jax
@@ -218,9 +225,19 @@ class TransformerLM(nn.Module):
 # ---------------------------------------------------------------- training
 
 
-def make_mesh(cfg: Config) -> jax.sharding.Mesh:
-    shape = cfg.mesh or (jax.device_count(), 1)
-    return jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
+    """The ("data", "model") mesh over ``devices`` (default: this run's devices)."""
+    if devices is None:
+        shape = cfg.mesh or (jax.device_count(), 1)
+        return jax.make_mesh(
+            shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+        )
+    shape = cfg.mesh or (len(devices), 1)
+    return jax.sharding.Mesh(
+        np.array(devices, dtype=object).reshape(shape),
+        ("data", "model"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -246,9 +263,9 @@ def loss_fn(params: Any, model: nn.Module, batch: jax.Array) -> jax.Array:
 class Trainer:
     """Builds the sharded state and the jitted steps for one configuration."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, devices: list | None = None):
         self.cfg = cfg
-        self.mesh = make_mesh(cfg)
+        self.mesh = make_mesh(cfg, devices)
         self.model = TransformerLM(cfg)
         self.optimizer = make_optimizer(cfg)
         dummy = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
@@ -524,6 +541,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         help="call jax.distributed.initialize() (automatic under SLURM, Open MPI, "
         "multi-host TPU or JAX_COORDINATOR_ADDRESS)",
     )
+    parser.add_argument(
+        "--compile-for",
+        metavar="TARGET",
+        default=None,
+        help="compile the sharded train step for TARGET (tpu-v5e:4x4, h100x8, ...; see "
+        "rmsnorm_jax.aot) without a device, print per-device memory and the compiler's "
+        "step estimate, and exit",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
 
@@ -567,12 +592,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     return cfg, args
 
 
-def validate_for_devices(cfg: Config) -> None:
-    data, model = cfg.mesh or (jax.device_count(), 1)
-    if data * model != jax.device_count():
+def validate_for_devices(cfg: Config, devices: list | None = None) -> None:
+    devices = jax.devices() if devices is None else devices
+    data, model = cfg.mesh or (len(devices), 1)
+    if data * model != len(devices):
         raise ValueError(
             f"--mesh {data},{model} needs {data * model} devices; this run has "
-            f"{jax.device_count()} ({jax.devices()[0].platform})"
+            f"{len(devices)} ({devices[0].device_kind})"
         )
     if cfg.batch_size % data:
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the data axis {data}")
@@ -583,6 +609,55 @@ def validate_for_devices(cfg: Config) -> None:
             f"the MLP width {cfg.mlp_ratio * cfg.d_model} must be divisible by the model axis "
             f"{model}"
         )
+
+
+def compile_for(cfg: Config, target_name: str) -> dict:
+    """Compiles the sharded train step for ``target_name`` without running it.
+
+    The real XLA:TPU or XLA:GPU compiler builds the program for the target's devices
+    (``rmsnorm_jax.aot``); returns and prints the per-device memory (parameters and
+    optimizer state, the batch, temporaries) and the compiler's own estimate of one
+    step (a cost model, not a hardware timing; none on CPU).
+    """
+    from rmsnorm_jax import aot
+
+    target = aot.get_target(target_name)
+    devices = list(target.devices)
+    validate_for_devices(cfg, devices)
+    trainer = Trainer(cfg, devices)
+    batch = jax.ShapeDtypeStruct(
+        (cfg.batch_size, cfg.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding
+    )
+    compiled = target.compile(trainer.train_step, trainer.abstract_state, batch)
+    memory = compiled.memory_analysis()
+    state_bytes = sum(
+        math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+        for s in jax.tree.leaves(trainer.abstract_state)
+    )
+    report = {
+        "target": target.name,
+        "mesh": dict(trainer.mesh.shape),
+        "state_bytes_per_device": state_bytes,
+        "argument_bytes_per_device": memory.argument_size_in_bytes,
+        "temp_bytes_per_device": memory.temp_size_in_bytes,
+        "output_bytes_per_device": memory.output_size_in_bytes,
+        "step_estimate": aot.estimate(compiled, target),
+        "estimate_unit": target.estimate_unit,
+    }
+    mib = 2**20
+    estimate = (
+        "no estimate on CPU"
+        if report["step_estimate"] is None
+        else f"{report['step_estimate']:,.0f} {target.estimate_unit} per step "
+        f"(the compiler's cost model, not a hardware timing)"
+    )
+    print(
+        f"{target.name}, mesh {report['mesh']}: per device "
+        f"{state_bytes / mib:.1f} MiB parameters and optimizer state, "
+        f"{memory.argument_size_in_bytes / mib:.1f} MiB arguments, "
+        f"{memory.temp_size_in_bytes / mib:.1f} MiB temporaries; {estimate}"
+    )
+    return report
 
 
 def launched_as_several_processes(env=os.environ) -> bool:
@@ -598,6 +673,13 @@ def launched_as_several_processes(env=os.environ) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
+    if args.compile_for:
+        try:
+            compile_for(cfg, args.compile_for)
+        except (ValueError, RuntimeError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.distributed or launched_as_several_processes():
         jax.distributed.initialize()
     try:

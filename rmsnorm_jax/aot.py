@@ -170,7 +170,10 @@ def get_target(name: str) -> Target:
         _check_compiler("tpu")
         from jax.experimental.topologies import get_topology_desc
 
+        # No hardware to guard: skip the cloud metadata query and the lock file that
+        # keeps a second process from opening a TPU.
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         devices = get_topology_desc(
             topology_name=f"{generation}:{topology}", platform="tpu"
         ).devices

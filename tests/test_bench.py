@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_run(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     sys.modules["bench"] = bench
@@ -34,3 +35,19 @@ def test_quick_run(tmp_path):
     assert len(saved["results"]) == len(results)
     assert (tmp_path / "results.png").stat().st_size > 10_000
     assert "| features |" in (tmp_path / "results.md").read_text()
+
+
+def test_quick_run_for_an_accelerator(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--quick", "--target", "h100", "--out", str(tmp_path)])
+    impls = {r["impl"] for r in report["results"]}
+    assert impls == {"baseline", *bench.IMPLEMENTATIONS}
+    for r in report["results"]:
+        assert r["fwd"] > 0 and r["fwd_bwd"] > 0 and r["fwd_kernels"] >= 1
+        assert 0 < r["fwd_of_bound"] and 0 < r["fwd_bwd_of_bound"]
+    assert report["memory"][0]["norm"] == "rms_norm"
+    summary = (tmp_path / "h100-summary.md").read_text()
+    assert "not a hardware timing" in summary and "| features |" in summary

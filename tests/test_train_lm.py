@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -135,3 +136,29 @@ def test_mesh_that_does_not_fit_the_devices(train_lm, capsys, tmp_path):
 )
 def test_multi_process_launch_is_detected(train_lm, env, expected):
     assert train_lm.launched_as_several_processes(env) is expected
+
+
+@pytest.mark.parametrize(
+    "target, mesh, unit", [("tpu-v5e:2x2", "2,2", "cycles"), ("h100x8", "4,2", "us")]
+)
+def test_compile_for_a_pod_without_training(train_lm, capsys, tmp_path, target, mesh, unit):
+    workdir = tmp_path / "w"
+    argv = ["--compile-for", target, "--mesh", mesh, "--workdir", str(workdir)]
+    assert train_lm.main(argv) == 0
+    out = capsys.readouterr().out
+    assert target in out and "temporaries" in out and f" {unit} per step" in out
+    assert not workdir.exists()  # nothing trained, nothing written
+    report = train_lm.compile_for(train_lm.Config(mesh=tuple(map(int, mesh.split(",")))), target)
+    assert report["temp_bytes_per_device"] > 0 and report["step_estimate"] > 0
+    # Parameters and Adam's two moments in float32, the model axis splitting some.
+    params = sum(
+        np.prod(a.shape)
+        for a in jax.tree.leaves(train_lm.Trainer(train_lm.Config()).abstract_state["params"])
+    )
+    assert 3 * 4 * params / 2 <= report["state_bytes_per_device"] <= 3 * 4 * params + 1024
+
+
+def test_compile_for_an_unknown_target(train_lm, capsys):
+    assert train_lm.main(["--compile-for", "tpu-v9"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown compile target 'tpu-v9'" in err and "tpu-v5e" in err

@@ -1,0 +1,112 @@
+"""The implementations the benchmarks compare, their baselines, and a train-step model.
+
+Shared by ``bench.py`` (XLA:CPU timings) and ``aot_bench.py`` (the TPU and GPU
+compilers' estimates), so both measure exactly the same programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import rmsnorm_jax
+
+EPS = 1e-6
+
+
+def plain_formula(x, scale):
+    """What a user writes by hand: float32 statistics, autodiff for the gradient."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS) * scale
+    return y.astype(jnp.result_type(x, scale))
+
+
+def _module(cls, **kw) -> Callable:
+    module = cls(epsilon=EPS, **kw)
+
+    def apply(x, scale):
+        params = {"scale": scale}
+        if cls is nn.LayerNorm:
+            params["bias"] = jnp.zeros_like(scale)
+        return module.apply({"params": params}, x)
+
+    return apply
+
+
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "rms_norm": lambda x, s: rmsnorm_jax.rms_norm(x, s, EPS),
+    "rms_norm p=0.0625": lambda x, s: rmsnorm_jax.rms_norm(x, s, EPS, p=0.0625),
+    "RMSNorm module": _module(rmsnorm_jax.RMSNorm),
+    "flax RMSNorm": _module(nn.RMSNorm),
+    "flax LayerNorm": _module(nn.LayerNorm),
+    "jnp + autodiff": plain_formula,
+}
+
+
+def forward_backward(fn):
+    """``(y, (dx, dscale))`` of ``fn`` for the cotangent ``dy``: one jitted program."""
+
+    def run(x, scale, dy):
+        y, vjp = jax.vjp(fn, x, scale)
+        return y, vjp(dy)
+
+    return run
+
+
+def copy_baseline(x, scale):
+    del scale
+    return x * 2
+
+
+def traffic_baseline(x, scale, dy):
+    del scale
+    return x * 2, x * dy
+
+
+def prenorm_stack_train_step(norm: Callable, layers: int = 8, mlp_ratio: int = 4):
+    """An SGD step of a stack of pre-norm residual blocks, ``lax.scan`` over the layers.
+
+    Each block has a Transformer layer's two norms: a token-wise linear mixer (standing
+    in for attention, ``h + norm1(h) @ wv @ wo``) and an MLP
+    (``h + gelu(norm2(h) @ w1) @ w2``); then a final norm and a mean-square loss. The
+    parameters and activations share the dtype of ``h``. Only the norm differs between
+    the programs compared, so their temporary memory shows what each norm keeps for the
+    backward pass inside a real train step (under ``jit``, after XLA's own
+    rematerialisation and buffer reuse).
+
+    Returns ``(train_step, params_shapes)``: ``train_step(params, h) -> params`` and
+    ``params_shapes(d, dtype)``, the parameters' ``ShapeDtypeStruct``s.
+    """
+
+    def loss(params, h):
+        def layer(h, p):
+            h = h + (norm(h, p["scale1"]) @ p["wv"]) @ p["wo"]
+            h = h + jax.nn.gelu(norm(h, p["scale2"]) @ p["w1"]) @ p["w2"]
+            return h, None
+
+        h, _ = jax.lax.scan(layer, h, params["layers"])
+        return jnp.mean(jnp.square(norm(h, params["final_scale"]).astype(jnp.float32)))
+
+    def train_step(params, h):
+        grads = jax.grad(loss)(params, h)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g.astype(p.dtype), params, grads)
+
+    def params_shapes(d: int, dtype) -> dict:
+        s = jax.ShapeDtypeStruct
+        hidden = mlp_ratio * d
+        return {
+            "layers": {
+                "scale1": s((layers, d), dtype),
+                "scale2": s((layers, d), dtype),
+                "wv": s((layers, d, d), dtype),
+                "wo": s((layers, d, d), dtype),
+                "w1": s((layers, d, hidden), dtype),
+                "w2": s((layers, hidden, d), dtype),
+            },
+            "final_scale": s((d,), dtype),
+        }
+
+    return train_step, params_shapes
