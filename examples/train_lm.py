@@ -229,9 +229,7 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
     """The ("data", "model") mesh over ``devices`` (default: this run's devices)."""
     if devices is None:
         shape = cfg.mesh or (jax.device_count(), 1)
-        return jax.make_mesh(
-            shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
-        )
+        return jax.make_mesh(shape, ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     shape = cfg.mesh or (len(devices), 1)
     return jax.sharding.Mesh(
         np.array(devices, dtype=object).reshape(shape),
