@@ -131,6 +131,7 @@ def rms_norm(
     eps_placement: str = "inside",
     dtype: Any = None,
     axis_name: Hashable | None = None,
+    mask: Any = None,
 ) -> jax.Array:
     r"""Root-mean-square layer normalisation (Zhang & Sennrich, 2019), with pRMSNorm.
 
@@ -142,11 +143,19 @@ def rms_norm(
         r    = 1 / (sqrt(ms) + eps)                # eps_placement="outside"
         y    = (scale + scale_offset) * (x * r) + bias
 
+    With ``mask`` (flax's masked statistics) the mean square is taken over the row's
+    positions where the mask is True, ``ms = sum(mask * x**2) / sum(mask)``, and
+    every position is normalized by it; masked-out values (even NaN or Inf) do not
+    touch the statistic. A row with no True position has ``ms = 0``, like an all-zero
+    row (finite, eps-limited).
+
     The gradient is a ``jax.custom_vjp`` with the analytic backward pass; the
     residuals it keeps are ``x``, ``scale`` and one float32 per row, nothing else of
-    full size. It composes with ``jit``, ``vmap``, ``lax.scan``, ``jax.checkpoint``,
-    grad-of-grad and ``jax.hessian``; plain forward mode (``jax.jvp``, ``jax.jacfwd``
-    on its own) does not go through a ``custom_vjp`` and raises.
+    full size (plus ``mask`` in its given, possibly broadcast, shape and dtype, when
+    one is given). It composes with ``jit``, ``vmap``, ``lax.scan``,
+    ``jax.checkpoint``, grad-of-grad and ``jax.hessian``; plain forward mode
+    (``jax.jvp``, ``jax.jacfwd`` on its own) does not go through a ``custom_vjp`` and
+    raises.
 
     Dtypes: the statistics and the normalisation are computed in
     ``promote_types(result_type(x, scale, bias), float32)`` (float64 stays float64),
@@ -173,13 +182,17 @@ def rms_norm(
         and of the backward cross term are ``psum``-ed over it. With ``p < 1`` the
         first ``k`` features are counted globally, which needs a single normalized
         axis split in device order.
+      mask: optional boolean (or integer 0/1) array that broadcasts to ``x``; an
+        element enters the mean square where it is True. Not differentiated. Not
+        combined with ``p < 1`` or ``axis_name`` (raises: the meaning is ambiguous).
 
     Returns:
       ``y`` with the shape of ``x``.
 
     Raises:
-      TypeError, ValueError: for a non-floating ``x``, a ``scale`` or ``bias`` that
-        does not broadcast, ``p`` outside (0, 1], a negative, NaN or traced ``eps``,
+      TypeError, ValueError: for a non-floating ``x``, a ``scale``, ``bias`` or
+        ``mask`` that does not broadcast, a floating ``mask``, ``mask`` with ``p < 1``
+        or ``axis_name``, ``p`` outside (0, 1], a negative, NaN or traced ``eps``,
         bad axes, an empty normalized axis, or an unknown ``eps_placement``.
 
     Example:
@@ -216,6 +229,7 @@ def rms_norm(
                 f"p={p} with axis_name={axis_name!r} needs exactly one normalized axis "
                 f"(split across devices in order), got axis={axis!r}."
             )
+    mask = _check_mask(mask, x.shape, p, axis_name)
     arrays = [a for a in (x, scale, bias) if a is not None]
     inferred = jnp.result_type(*arrays)
     out_dtype = inferred if dtype is None else _check_dtype(dtype)
@@ -232,7 +246,40 @@ def rms_norm(
         axis_name=axis_name,
         bias_type=None if bias is None else jax.typeof(bias),
     )
-    return rms_norm_core(cfg, x, scale, bias)
+    return rms_norm_core(cfg, x, scale, bias, mask)
+
+
+def _check_mask(mask: Any, x_shape: tuple[int, ...], p: float, axis_name: Any):
+    """``mask`` as a boolean array that broadcasts to ``x``, or None."""
+    if mask is None:
+        return None
+    arr = mask if isinstance(mask, jax.Array) else jnp.asarray(mask)
+    if not (arr.dtype == jnp.bool_ or jnp.issubdtype(arr.dtype, jnp.integer)):
+        raise TypeError(
+            f"mask must be a boolean array (True where an element enters the mean "
+            f"square), got dtype {arr.dtype}; e.g. mask=(tokens != pad_id)."
+        )
+    try:
+        shape = jnp.broadcast_shapes(arr.shape, x_shape)
+    except ValueError:
+        shape = None
+    if shape != tuple(x_shape):
+        raise ValueError(
+            f"mask with shape {arr.shape} does not broadcast to x's shape {x_shape}; give "
+            f"it x's shape or one that broadcasts to it, e.g. {(*x_shape[:-1], 1)}."
+        )
+    if p < 1.0:
+        raise ValueError(
+            f"mask with p={p} is ambiguous (the first k features, or the first k unmasked "
+            f"ones?); use p=1.0 with a mask, or drop the mask."
+        )
+    if axis_name is not None:
+        raise ValueError(
+            f"mask with axis_name={axis_name!r} is not supported (flax averages the "
+            f"per-device masked means, which is not the masked mean of the whole row); "
+            f"normalize under sharded jit instead of shard_map, or drop the mask."
+        )
+    return arr.astype(jnp.bool_)
 
 
 def _check_scale_offset(scale_offset: Any) -> float:

@@ -1,12 +1,15 @@
 """The differentiable core of RMSNorm: one forward rule and one analytic backward rule.
 
 Everything here assumes validated arguments (see ``_functional.py``). The static part
-of a call lives in a hashable :class:`NormConfig`; the arrays are ``x``, ``scale`` and
-``bias`` (either may be ``None``).
+of a call lives in a hashable :class:`NormConfig`; the arrays are ``x``, ``scale``,
+``bias`` and ``mask`` (all but ``x`` may be ``None``). A boolean ``mask`` (broadcastable
+to ``x``) restricts the mean square to the positions where it is True (flax's masked
+statistics); every position is still normalized.
 
-Residuals kept for the backward pass: ``x``, ``scale`` and one float (at least float32)
-per row: the inverse RMS ``r = rsqrt(ms + eps)`` for the "inside" placement, the RMS
-``s = sqrt(ms)`` for "outside" (from which ``r = 1 / (s + eps)`` is exact, and
+Residuals kept for the backward pass: ``x``, ``scale``, the ``mask`` in its given
+(possibly broadcast) shape, and one float (at least float32) per row: the inverse RMS
+``r = rsqrt(ms + eps)`` for the "inside" placement, the RMS ``s = sqrt(ms)`` for
+"outside" (from which ``r = 1 / (s + eps)`` is exact, and
 ``dr/dms = -r**2 / (2 s)`` stays well defined).
 """
 
@@ -126,7 +129,27 @@ def _kept_sharding(a: jax.Array, keep: tuple[int, ...]):
     )
 
 
-def _mean_square(cfg: NormConfig, x: jax.Array) -> jax.Array:
+def _membership(cfg: NormConfig, shape: tuple[int, ...], mask) -> jax.Array | None:
+    """Where an element enters the mean square: the user's mask, the first ``k``
+    (pRMSNorm), or everywhere (None)."""
+    if mask is not None:
+        return mask
+    return _partial_mask(cfg, shape) if cfg.partial else None
+
+
+def _inv_count(cfg: NormConfig, shape: tuple[int, ...], mask) -> jax.Array | float:
+    """``1 / (elements per row in the mean square)``: ``1/k``, or per row for a mask.
+
+    A row whose mask is all False counts 1, so its mean square is 0 and it is
+    normalized like an all-zero row (finite, eps-limited), never 0/0.
+    """
+    if mask is None:
+        return 1.0 / cfg.k
+    count = jnp.sum(jnp.broadcast_to(mask, shape), cfg.axes, dtype=jnp.int32, keepdims=True)
+    return 1.0 / jnp.maximum(count, 1).astype(cfg.compute_dtype)
+
+
+def _mean_square(cfg: NormConfig, x: jax.Array, mask=None) -> jax.Array:
     """Per-row mean of the squares of the first ``k`` elements (all of them for p = 1).
 
     The squares are summed by a dot on ``x`` in its own dtype with compute-dtype
@@ -141,11 +164,11 @@ def _mean_square(cfg: NormConfig, x: jax.Array) -> jax.Array:
     features split across devices) the tail is masked.
     """
     head = x
-    if cfg.partial and len(cfg.axes) == 1 and cfg.axis_name is None:
+    if mask is None and cfg.partial and len(cfg.axes) == 1 and cfg.axis_name is None:
         head = lax.slice_in_dim(x, 0, cfg.k, axis=cfg.axes[0])
-    elif cfg.partial:
-        head = jnp.where(_partial_mask(cfg, x.shape), x, 0)
-    return _row_sum_of_products(cfg, head, head) * (1.0 / cfg.k)
+    elif mask is not None or cfg.partial:
+        head = jnp.where(_membership(cfg, x.shape, mask), x, 0)
+    return _row_sum_of_products(cfg, head, head) * _inv_count(cfg, x.shape, mask)
 
 
 def _row_sum_of_products(cfg: NormConfig, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -169,13 +192,13 @@ def _inv_rms(cfg: NormConfig, row_stat: jax.Array) -> jax.Array:
     return row_stat if cfg.inside else 1.0 / (row_stat + cfg.eps)
 
 
-def _forward(cfg: NormConfig, x, scale, bias):
+def _forward(cfg: NormConfig, x, scale, bias, mask):
     """Returns ``(y, row_stat)``; ``row_stat`` is the per-row residual (see module doc)."""
     # On XLA:CPU the barrier keeps the statistic's read of x (of its first k features for
     # pRMSNorm) apart from the full-size normalisation. Fused together, XLA:CPU feeds
     # both from a materialised float32 copy of x: measured 3x to 7x slower for
     # bfloat16 rows of 5120 and 8192 features and for pRMSNorm, neutral for float32.
-    ms = _mean_square(cfg, cpu_barrier(x))
+    ms = _mean_square(cfg, cpu_barrier(x), mask)
     row_stat = lax.rsqrt(ms + cfg.eps) if cfg.inside else jnp.sqrt(ms)
     y = x.astype(cfg.compute_dtype) * _inv_rms(cfg, row_stat)
     y = _scaled(cfg, y, scale)
@@ -221,31 +244,33 @@ def _match_vma(ct: jax.Array, target_vma: frozenset) -> jax.Array:
 def _backward(cfg: NormConfig, residuals, dy):
     """The analytic gradient (``../shared/FACTS.md``), accumulated in ``compute_dtype``.
 
-    With ``gdy = (scale + offset) * dy``, ``xhat = x * r`` and
-    ``c = (1/k) * sum_j gdy_j * xhat_j`` (over all n features of the row):
+    With ``gdy = (scale + offset) * dy``, ``xhat = x * r``, ``S`` the elements of the
+    row that enter the mean square (the first ``k``, or where the mask is True, then
+    ``k = |S|``, at least 1) and ``c = (1/k) * sum_j gdy_j * xhat_j`` (over all n
+    features of the row):
 
-        dx = r * gdy - [i < k] * xhat * c * alpha,  alpha = r (inside), 1/s (outside)
+        dx = r * gdy - [i in S] * xhat * c * alpha,  alpha = r (inside), 1/s (outside)
         dscale = sum over broadcast axes of dy * xhat;  dbias = sum of dy.
 
     For "outside" with s == 0 (an all-zero row), ``xhat == 0`` and the cross term's
     limit is 0, so alpha is set to 0 there rather than inf.
     """
-    x, scale, row_stat = residuals
+    x, scale, mask, row_stat = residuals
     cd = cfg.compute_dtype
     inv_rms = _inv_rms(cfg, row_stat)
     # Three passes over x and dy: the per-row sum for the cross term, the elementwise
-    # dx, and the parameter gradients' sum over rows. Each reads its own copy of the
-    # inputs through an optimization barrier so that XLA fuses each pass with its own
-    # dtype casts and broadcasts. Without the barriers XLA:CPU materialises full-size
-    # float32 copies of x, dy and the inverse RMS shared by the passes (measured: the
-    # backward 1.5x to 3.5x slower, worst for bfloat16 and wide rows). On GPU and TPU
-    # the passes are separate kernels anyway, each reading x and dy from memory, so
-    # the barriers cost nothing there.
+    # dx, and the parameter gradients' sum over rows. On XLA:CPU each reads its own
+    # copy of the inputs through an optimization barrier, so that XLA fuses each pass
+    # with its own dtype casts and broadcasts; without them XLA:CPU materialises
+    # full-size float32 copies of x, dy and the inverse RMS shared by the passes
+    # (measured: the backward 1.5x to 3.5x slower, worst for bfloat16 and wide rows).
+    # Other backends get no barrier (``_backends.cpu_barrier``).
     x_c, dy_c = cpu_barrier((x, dy))
     gdy_c = _scaled(cfg, dy_c.astype(cd), scale)
     # (1/k) sum_j gdy_j xhat_j, computed on x (not xhat) and scaled per row: no
-    # full-size xhat exists in any pass.
-    mean_term = _row_sum_of_products(cfg, gdy_c, x_c.astype(cd)) * (inv_rms / cfg.k)
+    # full-size xhat exists in any pass. With a mask, k is the row's mask count.
+    inv_count = _inv_count(cfg, x.shape, mask)
+    mean_term = _row_sum_of_products(cfg, gdy_c, x_c.astype(cd)) * (inv_rms * inv_count)
     if cfg.inside:
         alpha = inv_rms
     else:
@@ -256,8 +281,9 @@ def _backward(cfg: NormConfig, residuals, dy):
     # then stops converting all of x to float32 in memory for it (bfloat16: ~1.4x).
     x_d, dy_d, x_factor = cpu_barrier((x, dy, x_factor))
     correction = x_d.astype(cd) * x_factor
-    if cfg.partial:
-        correction = jnp.where(_partial_mask(cfg, x.shape), correction, 0)
+    membership = _membership(cfg, x.shape, mask)
+    if membership is not None:
+        correction = jnp.where(membership, correction, 0)
     dx = (inv_rms * _scaled(cfg, dy_d.astype(cd), scale) - correction).astype(x.dtype)
     dx = _match_vma(dx, vma(jax.typeof(x)))
 
@@ -269,18 +295,18 @@ def _backward(cfg: NormConfig, residuals, dy):
         dscale = _parameter_cotangent(dyhat, x_p.astype(cd), jax.typeof(scale))
     if cfg.bias_type is not None:
         dbias = _parameter_cotangent(dy_pf, jnp.ones_like(dy_pf), cfg.bias_type)
-    return dx, dscale, dbias
+    return dx, dscale, dbias, None  # the mask is not differentiated
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def rms_norm_core(cfg: NormConfig, x, scale, bias):
+def rms_norm_core(cfg: NormConfig, x, scale, bias, mask):
     """RMSNorm of validated arrays; differentiable by the analytic backward rule."""
-    return _forward(cfg, x, scale, bias)[0]
+    return _forward(cfg, x, scale, bias, mask)[0]
 
 
-def _fwd_rule(cfg: NormConfig, x, scale, bias):
-    y, row_stat = _forward(cfg, x, scale, bias)
-    return y, (x, scale, row_stat)
+def _fwd_rule(cfg: NormConfig, x, scale, bias, mask):
+    y, row_stat = _forward(cfg, x, scale, bias, mask)
+    return y, (x, scale, mask, row_stat)
 
 
 rms_norm_core.defvjp(_fwd_rule, _backward)

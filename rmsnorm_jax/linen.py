@@ -13,52 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.typing import Axes, Dtype, Initializer
 
-from ._functional import normalize_axes, rms_norm
-
-
-def unsupported_options(axis_index_groups: Any, mask: Any) -> None:
-    """Options that flax accepts and this library cannot honour: a clear error, not silence."""
-    if axis_index_groups is not None:
-        raise ValueError(
-            f"axis_index_groups={axis_index_groups!r} is not supported (it is not "
-            "supported by shard_map either); use axis_index_groups=None and a mesh "
-            "axis that spans exactly the devices to reduce over."
-        )
-    if mask is not None:
-        raise ValueError(
-            "mask is not supported by rmsnorm_jax.RMSNorm; pass mask=None, or use "
-            "flax.linen.RMSNorm for masked statistics."
-        )
-
-
-def feature_param_shapes(
-    x_shape: tuple[int, ...], feature_axes: Axes
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(param_shape, broadcast_shape)`` of scale/bias for features on ``feature_axes``.
-
-    As in flax, the parameter holds one value per feature (``x.shape`` at the feature
-    axes) and is reshaped to broadcast against ``x``.
-    """
-    axes = normalize_axes(feature_axes, len(x_shape), name="feature_axes")
-    param_shape = tuple(x_shape[a] for a in axes)
-    broadcast_shape = tuple(d if i in axes else 1 for i, d in enumerate(x_shape))
-    return param_shape, broadcast_shape
-
-
-def normalize(module: Any, x: jax.Array, scale, bias) -> jax.Array:
-    """``rms_norm`` configured from a module's fields (shared by the linen and NNX twins)."""
-    return rms_norm(
-        x,
-        scale,
-        module.epsilon,
-        bias=bias,
-        axis=module.reduction_axes,
-        p=module.p,
-        scale_offset=module.scale_offset,
-        eps_placement=module.eps_placement,
-        dtype=module.dtype,
-        axis_name=module.axis_name,
-    )
+from ._module_utils import feature_param_shapes, normalize, unsupported_options
 
 
 class RMSNorm(nn.Module):
@@ -153,9 +108,12 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         """Normalizes ``x``; returns an array of the same shape.
 
-        ``mask`` exists for signature compatibility with flax and must be None.
+        ``mask``: optional boolean array broadcastable to ``x``; the mean square of
+        each row is taken over its True positions only, and every position is
+        normalized by it (flax's semantics; an all-False row is normalized like an
+        all-zero row instead of giving NaN).
         """
-        unsupported_options(self.axis_index_groups, mask)
+        unsupported_options(self.axis_index_groups)
         if not self.force_float32_reductions:
             raise ValueError(
                 "force_float32_reductions=False is not supported: rmsnorm_jax always "
@@ -168,4 +126,4 @@ class RMSNorm(nn.Module):
             scale = self._feature_param("scale", self.scale_init, shape, broadcast_shape)
         if self.use_bias:
             bias = self._feature_param("bias", self.bias_init, shape, broadcast_shape)
-        return normalize(self, x, scale, bias)
+        return normalize(self, x, scale, bias, mask)

@@ -16,9 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes
 from flax.typing import Axes, Dtype, Initializer
 
-from .linen import feature_param_shapes, normalize, unsupported_options
+from ._module_utils import feature_param_shapes, normalize, unsupported_options
 
 
 class RMSNorm(nnx.Module):
@@ -40,8 +41,11 @@ class RMSNorm(nnx.Module):
         feature_axes, axis_name, axis_index_groups, use_fast_variance: as in
         ``flax.nnx.RMSNorm`` (``axis_index_groups`` must be None;
         ``use_fast_variance`` has no effect on an RMS).
-      promote_dtype: optional ``fn((x, scale), dtype=...) -> (x, scale)`` applied
-        before normalising; None (default) computes exactly as the linen Module.
+      promote_dtype: ``fn((x, scale), dtype=...) -> (x, scale)`` applied before
+        normalising (``(x, scale, bias)`` with ``use_bias``). The default is flax's
+        ``promote_dtype``, as in ``flax.nnx.RMSNorm``: with ``dtype`` set, ``x`` and
+        the parameters are cast to it first. None: no cast (then the Module computes
+        exactly as the linen one).
       rngs: ``nnx.Rngs`` for the initializers.
       scale_metadata, bias_metadata: metadata of the Params, e.g.
         ``{"out_sharding": ("embed",)}``.
@@ -74,7 +78,7 @@ class RMSNorm(nnx.Module):
         axis_name: str | None = None,
         axis_index_groups: Any = None,
         use_fast_variance: bool = True,
-        promote_dtype: Callable[..., Any] | None = None,
+        promote_dtype: Callable[..., Any] | None = dtypes.promote_dtype,
         rngs: nnx.Rngs,
         scale_metadata: Mapping[str, Any] = MappingProxyType({}),
         p: float = 1.0,
@@ -84,7 +88,7 @@ class RMSNorm(nnx.Module):
         scale_offset: float = 0.0,
         eps_placement: str = "inside",
     ):
-        unsupported_options(axis_index_groups, None)
+        unsupported_options(axis_index_groups)
         shape = (num_features,)
         self.scale = (
             nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
@@ -113,8 +117,8 @@ class RMSNorm(nnx.Module):
         self.eps_placement = eps_placement
 
     def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-        """Normalizes ``x``; ``mask`` must be None (accepted for flax compatibility)."""
-        unsupported_options(None, mask)
+        """Normalizes ``x``. ``mask``: optional boolean array broadcastable to ``x``; the
+        mean square is taken over its True positions (flax's masked statistics)."""
         x = jnp.asarray(x)
         feature_shape, broadcast_shape = feature_param_shapes(x.shape, self.feature_axes)
         if math.prod(feature_shape) != self.num_features:
@@ -125,11 +129,14 @@ class RMSNorm(nnx.Module):
             )
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
-        if self.promote_dtype is not None:
+        if self.promote_dtype is not None and bias is None:
             x, scale = self.promote_dtype((x, scale), dtype=self.dtype)
+        elif self.promote_dtype is not None:
+            x, scale, bias = self.promote_dtype((x, scale, bias), dtype=self.dtype)
         return normalize(
             self,
             x,
             None if scale is None else scale.reshape(broadcast_shape),
             None if bias is None else bias.reshape(broadcast_shape),
+            mask,
         )

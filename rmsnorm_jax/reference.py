@@ -24,11 +24,14 @@ def rms_norm_reference(
     k: int | None = None,
     scale_offset: float = 0.0,
     eps_placement: str = "inside",
+    mask=None,
 ):
     """``(scale + scale_offset) * x / RMS(x) + bias`` with the RMS of the first k features.
 
     Computes in the dtype of ``x`` (call it with float64 arrays under
     ``jax.enable_x64(True)`` for an exact oracle). ``k`` overrides ``ceil(n * p)``.
+    ``mask`` (broadcastable to ``x``): the mean square over the True positions of each
+    row only, ``sum(x**2 [mask]) / max(count, 1)``.
 
     >>> import jax.numpy as jnp
     >>> y = rms_norm_reference(jnp.array([2.0, 4.0, 6.0, 8.0]), eps=0.0)
@@ -42,7 +45,13 @@ def rms_norm_reference(
     rows = moved.reshape(-1, n)
     if k is None:
         k = min(n, math.ceil(round(n * p, 9)))
-    ms = jnp.mean(rows[:, :k] ** 2, axis=1, keepdims=True)
+    if mask is None:
+        ms = jnp.mean(rows[:, :k] ** 2, axis=1, keepdims=True)
+    else:
+        m = jnp.transpose(jnp.broadcast_to(mask, x.shape), rest + axes).reshape(-1, n)
+        squares = jnp.where(m, rows, 0) ** 2
+        count = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1)
+        ms = jnp.sum(squares, axis=1, keepdims=True) / count
     if eps_placement == "inside":
         normed = rows / jnp.sqrt(ms + eps)
     else:

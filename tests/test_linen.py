@@ -208,7 +208,8 @@ def test_logical_axes_box_the_parameters():
     [
         (dict(axis_index_groups=[[0, 1]]), {}, "axis_index_groups"),
         (dict(force_float32_reductions=False), {}, "force_float32_reductions=False"),
-        ({}, dict(mask=jnp.ones((2, 8), bool)), "mask is not supported"),
+        ({}, dict(mask=jnp.ones((2, 9), bool)), "mask with shape"),
+        (dict(p=0.5), dict(mask=jnp.ones((2, 8), bool)), "mask with p=0.5 is ambiguous"),
         (dict(logical_axes=("a", "b")), {}, "logical_axes"),
         (dict(p=0.0), {}, r"p must be in \(0, 1\]"),
         (dict(feature_axes=5), {}, "feature_axes: axis 5 is out of range"),
