@@ -207,18 +207,57 @@ def rms_norm(
     (2, 4)
     """
     x = _as_float_array("x", x)
-    axes = normalize_axes(axis, x.ndim)
-    scale = _check_param("scale", scale, x.shape)
-    bias = _check_param("bias", bias, x.shape)
+    cfg, scale, bias, mask = _norm_config(
+        x.shape,
+        x.dtype,
+        scale,
+        eps,
+        bias,
+        axis,
+        p,
+        scale_offset,
+        eps_placement,
+        dtype,
+        axis_name,
+        mask,
+    )
+    return rms_norm_core(cfg, x, scale, bias, mask)
+
+
+def _norm_config(
+    shape,
+    x_dtype,
+    scale,
+    eps,
+    bias,
+    axis,
+    p,
+    scale_offset,
+    eps_placement,
+    dtype,
+    axis_name,
+    mask,
+    promote_with=(),
+):
+    """Checks the norm's arguments for an ``x`` of ``shape`` and ``x_dtype``.
+
+    Returns ``(cfg, scale, bias, mask)``: the static :class:`NormConfig` and the
+    validated arrays. ``promote_with``: further dtypes that enter the default output
+    dtype (a gate's).
+    """
+    shape = tuple(shape)
+    axes = normalize_axes(axis, len(shape))
+    scale = _check_param("scale", scale, shape)
+    bias = _check_param("bias", bias, shape)
     eps = _check_eps(eps)
     p = _check_p(p)
     if eps_placement not in EPS_PLACEMENTS:
         raise ValueError(f"eps_placement must be one of {EPS_PLACEMENTS}, got {eps_placement!r}.")
     scale_offset = _check_scale_offset(scale_offset)
-    n = math.prod(x.shape[a] for a in axes)
+    n = math.prod(shape[a] for a in axes)
     if n == 0:
         raise ValueError(
-            f"the normalized axes {axes} of x with shape {x.shape} hold no elements; "
+            f"the normalized axes {axes} of x with shape {shape} hold no elements; "
             f"the RMS of an empty row is undefined."
         )
     n_global = n
@@ -229,9 +268,9 @@ def rms_norm(
                 f"p={p} with axis_name={axis_name!r} needs exactly one normalized axis "
                 f"(split across devices in order), got axis={axis!r}."
             )
-    mask = _check_mask(mask, x.shape, p, axis_name)
-    arrays = [a for a in (x, scale, bias) if a is not None]
-    inferred = jnp.result_type(*arrays)
+    mask = _check_mask(mask, shape, p, axis_name)
+    dtypes = [x_dtype, *(a.dtype for a in (scale, bias) if a is not None), *promote_with]
+    inferred = jnp.result_type(*dtypes)
     out_dtype = inferred if dtype is None else _check_dtype(dtype)
     cfg = NormConfig(
         axes=axes,
@@ -246,7 +285,7 @@ def rms_norm(
         axis_name=axis_name,
         bias_type=None if bias is None else jax.typeof(bias),
     )
-    return rms_norm_core(cfg, x, scale, bias, mask)
+    return cfg, scale, bias, mask
 
 
 def _check_mask(mask: Any, x_shape: tuple[int, ...], p: float, axis_name: Any):

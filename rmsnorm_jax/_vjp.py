@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from ._backends import cpu_barrier, on_gpu, two_stage_column_sum, vma
 
@@ -192,19 +193,40 @@ def _inv_rms(cfg: NormConfig, row_stat: jax.Array) -> jax.Array:
     return row_stat if cfg.inside else 1.0 / (row_stat + cfg.eps)
 
 
-def _forward(cfg: NormConfig, x, scale, bias, mask):
-    """Returns ``(y, row_stat)``; ``row_stat`` is the per-row residual (see module doc)."""
+STAT_NAME = "rms_norm_stat"
+OUT_NAME = "rms_norm_out"
+
+
+def row_statistic(cfg: NormConfig, x, mask) -> jax.Array:
+    """The per-row residual (see the module doc), named ``"rms_norm_stat"`` for remat
+    policies (``jax.checkpoint_policies.save_only_these_names``)."""
     # On XLA:CPU the barrier keeps the statistic's read of x (of its first k features for
     # pRMSNorm) apart from the full-size normalisation. Fused together, XLA:CPU feeds
     # both from a materialised float32 copy of x: measured 3x to 7x slower for
     # bfloat16 rows of 5120 and 8192 features and for pRMSNorm, neutral for float32.
     ms = _mean_square(cfg, cpu_barrier(x), mask)
     row_stat = lax.rsqrt(ms + cfg.eps) if cfg.inside else jnp.sqrt(ms)
+    return checkpoint_name(row_stat, STAT_NAME)
+
+
+def normalized(cfg: NormConfig, x, scale, bias, row_stat) -> jax.Array:
+    """``(scale + offset) * x * r + bias`` in the compute dtype."""
     y = x.astype(cfg.compute_dtype) * _inv_rms(cfg, row_stat)
     y = _scaled(cfg, y, scale)
     if bias is not None:
         y = y + bias.astype(cfg.compute_dtype)
-    return y.astype(cfg.out_dtype), row_stat
+    return y
+
+
+def output(cfg: NormConfig, y: jax.Array) -> jax.Array:
+    """``y`` in the output dtype, named ``"rms_norm_out"`` for remat policies."""
+    return checkpoint_name(y.astype(cfg.out_dtype), OUT_NAME)
+
+
+def _forward(cfg: NormConfig, x, scale, bias, mask):
+    """Returns ``(y, row_stat)``; ``row_stat`` is the per-row residual (see module doc)."""
+    row_stat = row_statistic(cfg, x, mask)
+    return output(cfg, normalized(cfg, x, scale, bias, row_stat)), row_stat
 
 
 def _parameter_cotangent(a: jax.Array, b: jax.Array, primal) -> jax.Array:
@@ -227,10 +249,10 @@ def _parameter_cotangent(a: jax.Array, b: jax.Array, primal) -> jax.Array:
     if _explicit_spec(primal) is not None or _explicit_spec(jax.typeof(ct)) is not None:
         # Explicit sharding: the cotangent must carry the primal's own sharding.
         ct = jax.sharding.reshard(ct, primal.sharding.spec)
-    return _match_vma(ct, vma(primal))
+    return match_vma(ct, vma(primal))
 
 
-def _match_vma(ct: jax.Array, target_vma: frozenset) -> jax.Array:
+def match_vma(ct: jax.Array, target_vma: frozenset) -> jax.Array:
     """Sums a cotangent over the mesh axes along which its primal was replicated.
 
     Inside ``shard_map`` a parameter replicated over an axis that ``x`` is split along
@@ -242,6 +264,14 @@ def _match_vma(ct: jax.Array, target_vma: frozenset) -> jax.Array:
 
 
 def _backward(cfg: NormConfig, residuals, dy):
+    """The custom_vjp backward rule: :func:`backward_parts`, ``dx`` in ``x``'s type."""
+    x, scale, mask, row_stat = residuals
+    dx, dscale, dbias = backward_parts(cfg, x, scale, mask, row_stat, dy)
+    dx = match_vma(dx.astype(x.dtype), vma(jax.typeof(x)))
+    return dx, dscale, dbias, None  # the mask is not differentiated
+
+
+def backward_parts(cfg: NormConfig, x, scale, mask, row_stat, dy):
     """The analytic gradient (``../shared/FACTS.md``), accumulated in ``compute_dtype``.
 
     With ``gdy = (scale + offset) * dy``, ``xhat = x * r``, ``S`` the elements of the
@@ -254,8 +284,10 @@ def _backward(cfg: NormConfig, residuals, dy):
 
     For "outside" with s == 0 (an all-zero row), ``xhat == 0`` and the cross term's
     limit is 0, so alpha is set to 0 there rather than inf.
+
+    Returns ``(dx, dscale, dbias)``, ``dx`` in the compute dtype (the fused variants
+    add to it before casting), the parameter cotangents in their primals' types.
     """
-    x, scale, mask, row_stat = residuals
     cd = cfg.compute_dtype
     inv_rms = _inv_rms(cfg, row_stat)
     # Three passes over x and dy: the per-row sum for the cross term, the elementwise
@@ -284,8 +316,7 @@ def _backward(cfg: NormConfig, residuals, dy):
     membership = _membership(cfg, x.shape, mask)
     if membership is not None:
         correction = jnp.where(membership, correction, 0)
-    dx = (inv_rms * _scaled(cfg, dy_d.astype(cd), scale) - correction).astype(x.dtype)
-    dx = _match_vma(dx, vma(jax.typeof(x)))
+    dx = inv_rms * _scaled(cfg, dy_d.astype(cd), scale) - correction
 
     x_p, dy_p, row_stat_p = cpu_barrier((x, dy, row_stat))
     dy_pf = dy_p.astype(cd)
@@ -295,7 +326,7 @@ def _backward(cfg: NormConfig, residuals, dy):
         dscale = _parameter_cotangent(dyhat, x_p.astype(cd), jax.typeof(scale))
     if cfg.bias_type is not None:
         dbias = _parameter_cotangent(dy_pf, jnp.ones_like(dy_pf), cfg.bias_type)
-    return dx, dscale, dbias, None  # the mask is not differentiated
+    return dx, dscale, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

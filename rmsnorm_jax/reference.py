@@ -63,3 +63,41 @@ def rms_norm_reference(
     if bias is not None:
         y = y + bias
     return y
+
+
+def add_rms_norm_reference(x, residual, scale=None, eps: float = 1e-6, **kw):
+    """``(rms_norm_reference(x + residual), x + residual)``."""
+    h = x + residual
+    return rms_norm_reference(h, scale, eps, **kw), h
+
+
+def gated_rms_norm_reference(
+    x,
+    gate,
+    scale=None,
+    eps: float = 1e-6,
+    *,
+    activation: str = "silu",
+    norm_before_gate: bool = True,
+    group_size: int | None = None,
+    bias=None,
+    **kw,
+):
+    """The gated norm written out: ``act(z) = z / (1 + exp(-z))`` (silu) or
+    ``1 / (1 + exp(-z))``; groups by splitting the last axis and normalizing each
+    group on its own."""
+    sig = 1 / (1 + jnp.exp(-gate))
+    act = gate * sig if activation == "silu" else sig
+
+    def norm(v):
+        if group_size is None:
+            return rms_norm_reference(v, eps=eps, **kw)
+        groups = jnp.split(v, v.shape[-1] // group_size, axis=-1)
+        return jnp.concatenate([rms_norm_reference(g, eps=eps, **kw) for g in groups], -1)
+
+    offset = kw.pop("scale_offset", 0.0)
+    gain = 1.0 if scale is None else scale + offset
+    shift = 0.0 if bias is None else bias
+    if norm_before_gate:
+        return (gain * norm(x) + shift) * act
+    return gain * norm(x * act) + shift

@@ -1,0 +1,365 @@
+"""The fused variants of today's LLM layers, built on the core's passes (``_vjp.py``).
+
+- ``add_rms_norm``: ``h = x + residual``, ``y = rms_norm(h)``, returning both (the
+  pre-norm residual stream). Residuals for the backward pass: ``h`` (the one array the
+  stream keeps anyway), ``scale`` and one float per row.
+- ``gated_rms_norm``: ``y = norm(x) * act(gate)`` or ``y = norm(x * act(gate))``
+  (Mamba2, FLA, Qwen3-Next). Residuals: ``x``, ``gate``, ``scale`` (and ``bias``) and
+  one float per row (and group); ``act(gate)`` and the normalized values are
+  recomputed.
+
+The statistic, the normalisation and the analytic backward are the core's
+(:func:`row_statistic`, :func:`normalized`, :func:`backward_parts`); only the
+elementwise glue around them lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._backends import vma
+from ._functional import (
+    _as_float_array,
+    _check_dtype,
+    _check_param,
+    _norm_config,
+    _static_float,
+    normalize_axes,
+)
+from ._vjp import NormConfig, backward_parts, match_vma, normalized, output, row_statistic
+
+# ---------------------------------------------------------------- residual add
+
+
+@dataclasses.dataclass(frozen=True)
+class AddConfig:
+    """The static part of an ``add_rms_norm`` call besides the norm's :class:`NormConfig`.
+
+    Attributes:
+      residual_dtype: dtype of ``h = x + residual``.
+      x_type, residual_type: ``jax.typeof`` of the inputs (dtype and varying mesh
+        axes): what their cotangents must look like.
+    """
+
+    residual_dtype: np.dtype
+    x_type: Any
+    residual_type: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def add_rms_norm_core(cfg: NormConfig, acfg: AddConfig, x, residual, scale, bias, mask):
+    """``(rms_norm(h), h)`` with ``h = x + residual`` in ``acfg.residual_dtype``."""
+    return _add_fwd(cfg, acfg, x, residual, scale, bias, mask)[0]
+
+
+def _add_fwd(cfg, acfg, x, residual, scale, bias, mask):
+    h = x.astype(acfg.residual_dtype) + residual.astype(acfg.residual_dtype)
+    row_stat = row_statistic(cfg, h, mask)
+    y = output(cfg, normalized(cfg, h, scale, bias, row_stat))
+    return (y, h), (h, scale, mask, row_stat)
+
+
+def _add_bwd(cfg, acfg, saved, cotangents):
+    """``dh = (norm backward of dy) + (cotangent of h)``, the same for both inputs."""
+    h, scale, mask, row_stat = saved
+    dy, dh_out = cotangents
+    dh, dscale, dbias = backward_parts(cfg, h, scale, mask, row_stat, dy)
+    dh = dh + dh_out.astype(dh.dtype)
+    dx = match_vma(dh.astype(acfg.x_type.dtype), vma(acfg.x_type))
+    dresidual = match_vma(dh.astype(acfg.residual_type.dtype), vma(acfg.residual_type))
+    return dx, dresidual, dscale, dbias, None
+
+
+add_rms_norm_core.defvjp(_add_fwd, _add_bwd)
+
+
+# ---------------------------------------------------------------- gated
+
+
+ACTIVATIONS = ("silu", "sigmoid")
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    """The static part of a gated call besides the norm's own :class:`NormConfig`."""
+
+    activation: str
+    norm_before_gate: bool
+
+
+def _activation(gcfg: GateConfig, gate: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(act(gate), act'(gate))`` in the dtype of ``gate`` (the compute dtype)."""
+    sig = jax.nn.sigmoid(gate)
+    if gcfg.activation == "sigmoid":
+        return sig, sig * (1 - sig)
+    return gate * sig, sig * (1 + gate * (1 - sig))  # silu
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def gated_rms_norm_core(cfg: NormConfig, gcfg: GateConfig, x, gate, scale, bias):
+    """``norm(x) * act(gate)`` (``norm_before_gate``) or ``norm(x * act(gate))``."""
+    return _gated_fwd(cfg, gcfg, x, gate, scale, bias)[0]
+
+
+def _gated_fwd(cfg, gcfg, x, gate, scale, bias):
+    cd = cfg.compute_dtype
+    act, _ = _activation(gcfg, gate.astype(cd))
+    if gcfg.norm_before_gate:
+        row_stat = row_statistic(cfg, x, None)
+        y = normalized(cfg, x, scale, bias, row_stat) * act
+    else:
+        v = x.astype(cd) * act
+        row_stat = row_statistic(cfg, v, None)
+        y = normalized(cfg, v, scale, bias, row_stat)
+    return output(cfg, y), (x, gate, scale, bias, row_stat)
+
+
+def _gated_bwd(cfg, gcfg, saved, dy):
+    x, gate, scale, bias, row_stat = saved
+    cd = cfg.compute_dtype
+    act, act_grad = _activation(gcfg, gate.astype(cd))
+    dy = dy.astype(cd)
+    if gcfg.norm_before_gate:
+        # y = n * a with n = norm(x) (scale and bias included): dn = dy * a for the
+        # core's backward, dgate = dy * n * a'.
+        n = normalized(cfg, x, scale, bias, row_stat)
+        dx, dscale, dbias = backward_parts(cfg, x, scale, None, row_stat, dy * act)
+        dgate = dy * n * act_grad
+    else:
+        # y = norm(v) with v = x * a: dv from the core, dx = dv * a, dgate = dv * x * a'.
+        v = x.astype(cd) * act
+        dv, dscale, dbias = backward_parts(cfg, v, scale, None, row_stat, dy)
+        dx = dv * act
+        dgate = dv * x.astype(cd) * act_grad
+    dx = match_vma(dx.astype(x.dtype), vma(jax.typeof(x)))
+    dgate = match_vma(dgate.astype(gate.dtype), vma(jax.typeof(gate)))
+    return dx, dgate, dscale, dbias
+
+
+gated_rms_norm_core.defvjp(_gated_fwd, _gated_bwd)
+
+
+# ---------------------------------------------------------------- public functions
+
+
+def _check_like_x(name: str, value: Any, x: jax.Array) -> jax.Array:
+    arr = _as_float_array(name, value)
+    if arr.shape != x.shape:
+        raise ValueError(
+            f"{name} with shape {arr.shape} must have x's shape {x.shape} (it is combined "
+            f"with x element by element); broadcast or reshape it first."
+        )
+    return arr
+
+
+def add_rms_norm(
+    x: Any,
+    residual: Any,
+    scale: Any = None,
+    eps: float = 1e-6,
+    *,
+    residual_dtype: Any = None,
+    bias: Any = None,
+    axis: int | Sequence[int] = -1,
+    p: float = 1.0,
+    scale_offset: float = 0.0,
+    eps_placement: str = "inside",
+    dtype: Any = None,
+    axis_name: Hashable | None = None,
+    mask: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Residual add fused with RMSNorm: the pre-norm residual stream of a Transformer.
+
+    ::
+
+        h = x + residual                       # in residual_dtype
+        y = rms_norm(h, scale, eps, ...)       # every rms_norm option
+        return y, h
+
+    The gradient is an analytic ``custom_vjp``: ``dh = (norm backward of dy) +
+    (cotangent of h)``, returned to ``x`` and to ``residual`` each in its own dtype.
+    Residuals kept for the backward pass: ``h``, ``scale`` and one float32 per row,
+    no more than :func:`rms_norm` keeps (autodiff of ``rms_norm(x + r)`` keeps the same
+    ``h``; a hand-written composition with ``flax.linen.RMSNorm`` keeps 3x to 6x more).
+    The statistic is named ``"rms_norm_stat"`` and ``y`` ``"rms_norm_out"`` for remat
+    policies.
+
+    Dtypes: ``h`` has ``residual_dtype`` (default: the promotion of ``x`` and
+    ``residual``; ``jnp.float32`` keeps a float32 residual stream under bfloat16
+    activations). ``y`` has ``dtype`` (default: the promotion of ``h``, ``scale`` and
+    ``bias``); statistics in at least float32.
+
+    Args:
+      x: the block's output, a floating array.
+      residual: the residual stream, a floating array of ``x``'s shape.
+      scale, eps, bias, axis, p, scale_offset, eps_placement, dtype, axis_name, mask:
+        as in :func:`rms_norm`, applied to ``h``.
+      residual_dtype: dtype of ``h``.
+
+    Returns:
+      ``(y, h)``, both of ``x``'s shape.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from rmsnorm_jax import add_rms_norm
+    >>> x = jnp.array([[1.0, 2.0], [3.0, 4.0]], jnp.bfloat16)
+    >>> stream = jnp.array([[1.0, 0.0], [-1.0, 0.0]], jnp.float32)
+    >>> y, h = add_rms_norm(x, stream, eps=0.0)
+    >>> h.dtype, h.tolist()
+    (dtype('float32'), [[2.0, 2.0], [2.0, 4.0]])
+    >>> [round(v, 4) for v in y.ravel().tolist()]   # [2, 2] / 2 and [2, 4] / sqrt(10)
+    [1.0, 1.0, 0.6325, 1.2649]
+    """
+    x = _as_float_array("x", x)
+    residual = _check_like_x("residual", residual, x)
+    if residual_dtype is None:
+        residual_dtype = jnp.promote_types(x.dtype, residual.dtype)
+    residual_dtype = _check_dtype(residual_dtype)
+    cfg, scale, bias, mask = _norm_config(
+        x.shape,
+        residual_dtype,
+        scale,
+        eps,
+        bias,
+        axis,
+        p,
+        scale_offset,
+        eps_placement,
+        dtype,
+        axis_name,
+        mask,
+    )
+    acfg = AddConfig(np.dtype(residual_dtype), jax.typeof(x), jax.typeof(residual))
+    return add_rms_norm_core(cfg, acfg, x, residual, scale, bias, mask)
+
+
+def gated_rms_norm(
+    x: Any,
+    gate: Any,
+    scale: Any = None,
+    eps: float = 1e-6,
+    *,
+    activation: str = "silu",
+    norm_before_gate: bool = True,
+    group_size: int | None = None,
+    bias: Any = None,
+    axis: int | Sequence[int] = -1,
+    p: float = 1.0,
+    scale_offset: float = 0.0,
+    eps_placement: str = "inside",
+    dtype: Any = None,
+) -> jax.Array:
+    r"""Gated RMSNorm (Mamba2, FLA's ``FusedRMSNormGated``, Qwen3-Next's ``RMSNormGated``).
+
+    ::
+
+        norm_before_gate=True:   y = ((scale + offset) * x / RMS(x) + bias) * act(gate)
+        norm_before_gate=False:  y = (scale + offset) * v / RMS(v) + bias,  v = x * act(gate)
+
+    with ``act`` = ``silu`` (``z * sigmoid(z)``) or ``sigmoid``. With ``group_size``
+    the statistic is taken per group of ``group_size`` consecutive features of the last
+    axis (one per row and group, as in Mamba2's grouped norm); ``scale`` and ``bias``
+    stay per feature.
+
+    The gradient is an analytic ``custom_vjp`` for ``x``, ``gate``, ``scale`` and
+    ``bias``. Residuals kept for the backward pass: ``x``, ``gate``, ``scale`` (and
+    ``bias``) and one float32 per row and group; ``act(gate)`` and the normalized
+    values are recomputed. (Autodiff of ``norm(x) * silu(z)`` keeps full-size float32
+    copies besides.)
+
+    Dtypes: statistics and the gating in at least float32; ``y`` has ``dtype``
+    (default: the promotion of ``x``, ``gate``, ``scale`` and ``bias``); gradients come
+    back in each input's dtype.
+
+    Args:
+      x: floating array.
+      gate: floating array of ``x``'s shape (the gate branch, before its activation).
+      scale, eps, bias, axis, p, scale_offset, eps_placement, dtype: as in
+        :func:`rms_norm`. ``p < 1`` and several ``axis`` entries are not combined with
+        ``group_size``.
+      activation: ``"silu"`` (default) or ``"sigmoid"``.
+      norm_before_gate: normalize then gate (default, Mamba2's and FLA's default), or
+        gate then normalize.
+      group_size: optional int dividing the last axis: the statistic per group.
+
+    Returns:
+      ``y`` of ``x``'s shape.
+
+    Example:
+
+    >>> import jax.numpy as jnp
+    >>> from rmsnorm_jax import gated_rms_norm
+    >>> x = jnp.array([[3.0, 4.0, 1.0, 1.0]])
+    >>> # RMS = sqrt(27 / 4); sigmoid(0) = 1/2
+    >>> y = gated_rms_norm(x, jnp.zeros_like(x), eps=0.0, activation="sigmoid")
+    >>> [round(v, 4) for v in y.ravel().tolist()]
+    [0.5774, 0.7698, 0.1925, 0.1925]
+    >>> # RMS per group of two: sqrt(12.5) and 1; silu(50) = 50
+    >>> y = gated_rms_norm(x, jnp.full_like(x, 50.0), eps=0.0, group_size=2)
+    >>> [round(v, 3) for v in y.ravel().tolist()]
+    [42.426, 56.569, 50.0, 50.0]
+    """
+    x = _as_float_array("x", x)
+    gate = _check_like_x("gate", gate, x)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
+    if not isinstance(norm_before_gate, bool):
+        raise TypeError(f"norm_before_gate must be a bool, got {norm_before_gate!r}.")
+    shape = x.shape
+    if group_size is not None:
+        x, gate, scale, bias, axis = _grouped(x, gate, scale, bias, axis, p, group_size)
+    cfg, scale, bias, _ = _norm_config(
+        x.shape,
+        x.dtype,
+        scale,
+        eps,
+        bias,
+        axis,
+        p,
+        scale_offset,
+        eps_placement,
+        dtype,
+        None,
+        None,
+        promote_with=(gate.dtype,),
+    )
+    y = gated_rms_norm_core(cfg, GateConfig(activation, norm_before_gate), x, gate, scale, bias)
+    return y.reshape(shape)
+
+
+def _grouped(x, gate, scale, bias, axis, p, group_size):
+    """Views the last axis as (groups, group_size); the parameters likewise."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise TypeError(f"group_size must be a positive int or None, got {group_size!r}.")
+    if x.ndim == 0 or x.shape[-1] % group_size:
+        raise ValueError(
+            f"group_size={group_size} does not divide the last axis of x with shape "
+            f"{x.shape}; pick a divisor of {x.shape[-1] if x.ndim else 'it'}."
+        )
+    if normalize_axes(axis, x.ndim) != (x.ndim - 1,):
+        raise ValueError(
+            f"group_size groups the last axis and cannot be combined with axis={axis!r}; "
+            f"use axis=-1 (the default)."
+        )
+    if _static_float("p", p, "in (0, 1]") != 1.0:
+        raise ValueError(f"group_size with p={p} is not supported (pRMSNorm per group); use p=1.0.")
+    grouped = (*x.shape[:-1], x.shape[-1] // group_size, group_size)
+
+    def param(name, value):
+        if value is None:
+            return None
+        arr = _check_param(name, value, x.shape)
+        if arr.ndim == 0 or arr.shape[-1] == 1:
+            return arr
+        full = jnp.broadcast_to(arr, (*arr.shape[:-1], x.shape[-1]))
+        return full.reshape((*arr.shape[:-1], *grouped[-2:]))
+
+    return x.reshape(grouped), gate.reshape(grouped), param("scale", scale), param("bias", bias), -1
