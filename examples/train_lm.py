@@ -158,6 +158,15 @@ def make_norm(cfg: Config) -> nn.Module:
     return rmsnorm_jax.RMSNorm(epsilon=1e-6, p=p, logical_axes=("embed",))
 
 
+def add_and_norm(cfg: Config, x: jax.Array, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``h = residual + x`` and ``norm(h)``: one fused op (``add_rms_norm``) with RMSNorm,
+    whose backward keeps only ``h``; written out for flax's LayerNorm."""
+    if cfg.norm == "layernorm":
+        h = residual + x
+        return make_norm(cfg)(h), h
+    return make_norm(cfg)(x, residual=residual)
+
+
 class Block(nn.Module):
     cfg: Config
 
@@ -177,13 +186,13 @@ class Block(nn.Module):
         causal = jnp.tril(jnp.ones((h.shape[1], h.shape[1]), bool))
         weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-        h = h + nn.DenseGeneral(
+        attention_out = nn.DenseGeneral(
             cfg.d_model,
             axis=(-2, -1),
             use_bias=False,
             kernel_init=_dense_init(("heads", "kv", "embed"), depth_scale),
         )(attended)
-        x = make_norm(cfg)(h)
+        x, h = add_and_norm(cfg, attention_out, h)
         x = nn.Dense(
             cfg.mlp_ratio * cfg.d_model, use_bias=False, kernel_init=_dense_init(("embed", "mlp"))
         )(x)

@@ -9,6 +9,7 @@ import jax
 from flax.typing import Axes
 
 from ._functional import normalize_axes, rms_norm
+from ._fused import add_rms_norm, gated_rms_norm
 
 
 def unsupported_options(axis_index_groups: Any) -> None:
@@ -35,18 +36,50 @@ def feature_param_shapes(
     return param_shape, broadcast_shape
 
 
-def normalize(module: Any, x: jax.Array, scale, bias, mask=None) -> jax.Array:
-    """``rms_norm`` configured from a module's fields (shared by the linen and NNX twins)."""
-    return rms_norm(
-        x,
-        scale,
-        module.epsilon,
+def normalize(
+    module: Any, x: jax.Array, scale, bias, mask=None, residual=None, gate=None
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The norm a Module's fields describe, applied to ``x`` (shared by linen and NNX).
+
+    ``residual``: :func:`add_rms_norm` of ``x + residual``, returning ``(y, h)``;
+    ``gate``: :func:`gated_rms_norm`; neither: :func:`rms_norm`.
+    """
+    if residual is not None and gate is not None:
+        raise ValueError(
+            "give residual= or gate=, not both: the residual form returns (y, h) for the "
+            "pre-norm stream, the gated form gates a norm's output; call the Module twice."
+        )
+    if module.group_size is not None and gate is None:
+        raise ValueError(
+            f"group_size={module.group_size} applies to the gated form only; pass gate= "
+            f"when calling, or set group_size=None."
+        )
+    common = dict(
         bias=bias,
         axis=module.reduction_axes,
         p=module.p,
         scale_offset=module.scale_offset,
         eps_placement=module.eps_placement,
         dtype=module.dtype,
-        axis_name=module.axis_name,
-        mask=mask,
     )
+    if gate is not None:
+        if mask is not None or module.axis_name is not None:
+            raise ValueError(
+                "the gated form takes no mask and no axis_name; drop them or call the "
+                "Module without gate= and gate its output yourself."
+            )
+        return gated_rms_norm(
+            x,
+            gate,
+            scale,
+            module.epsilon,
+            activation=module.activation,
+            norm_before_gate=module.norm_before_gate,
+            group_size=module.group_size,
+            **common,
+        )
+    if residual is not None:
+        return add_rms_norm(
+            x, residual, scale, module.epsilon, axis_name=module.axis_name, mask=mask, **common
+        )
+    return rms_norm(x, scale, module.epsilon, axis_name=module.axis_name, mask=mask, **common)

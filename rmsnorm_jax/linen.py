@@ -61,6 +61,10 @@ class RMSNorm(nn.Module):
         ``("embed",)``; the parameters are then boxed with
         ``nn.with_logical_partitioning`` so ``nn.logical_to_mesh_sharding`` shards
         them. None (default) leaves them unboxed, exactly like flax.
+      activation, norm_before_gate, group_size: the gated form, used when
+        ``__call__`` gets ``gate=`` (see :func:`rmsnorm_jax.gated_rms_norm`):
+        ``"silu"`` or ``"sigmoid"``; normalize then gate (default) or gate then
+        normalize; the statistic per group of ``group_size`` features (Mamba2).
 
     Example:
 
@@ -92,6 +96,9 @@ class RMSNorm(nn.Module):
     scale_offset: float = 0.0
     eps_placement: str = "inside"
     logical_axes: tuple[str | None, ...] | None = None
+    activation: str = "silu"
+    norm_before_gate: bool = True
+    group_size: int | None = None
 
     def _feature_param(self, name: str, init: Initializer, shape, broadcast_shape):
         if self.logical_axes is not None:
@@ -105,8 +112,20 @@ class RMSNorm(nn.Module):
         return self.param(name, init, shape, self.param_dtype).reshape(broadcast_shape)
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        residual: jax.Array | None = None,
+        gate: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Normalizes ``x``; returns an array of the same shape.
+
+        ``residual``: normalizes ``h = x + residual`` and returns ``(y, h)``, the
+        pre-norm residual stream in one fused op (:func:`rmsnorm_jax.add_rms_norm`).
+        ``gate``: returns the gated norm (:func:`rmsnorm_jax.gated_rms_norm`). The
+        parameters are the same in every form, so checkpoints load in all of them.
 
         ``mask``: optional boolean array broadcastable to ``x``; the mean square of
         each row is taken over its True positions only, and every position is
@@ -126,4 +145,4 @@ class RMSNorm(nn.Module):
             scale = self._feature_param("scale", self.scale_init, shape, broadcast_shape)
         if self.use_bias:
             bias = self._feature_param("bias", self.bias_init, shape, broadcast_shape)
-        return normalize(self, x, scale, bias, mask)
+        return normalize(self, x, scale, bias, mask, residual, gate)

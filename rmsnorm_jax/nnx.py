@@ -53,6 +53,8 @@ class RMSNorm(nnx.Module):
       use_bias, bias_init: an optional learned shift (default off, zeros).
       scale_offset: added to ``scale``; 1.0 with ``scale_init=zeros`` is Gemma's.
       eps_placement: ``"inside"`` or ``"outside"``.
+      activation, norm_before_gate, group_size: the gated form, used when called
+        with ``gate=`` (see :func:`rmsnorm_jax.gated_rms_norm`).
 
     Example:
 
@@ -87,6 +89,9 @@ class RMSNorm(nnx.Module):
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         scale_offset: float = 0.0,
         eps_placement: str = "inside",
+        activation: str = "silu",
+        norm_before_gate: bool = True,
+        group_size: int | None = None,
     ):
         unsupported_options(axis_index_groups)
         shape = (num_features,)
@@ -115,10 +120,22 @@ class RMSNorm(nnx.Module):
         self.p = p
         self.scale_offset = scale_offset
         self.eps_placement = eps_placement
+        self.activation = activation
+        self.norm_before_gate = norm_before_gate
+        self.group_size = group_size
 
-    def __call__(self, x: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        mask: jax.Array | None = None,
+        *,
+        residual: jax.Array | None = None,
+        gate: jax.Array | None = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Normalizes ``x``. ``mask``: optional boolean array broadcastable to ``x``; the
-        mean square is taken over its True positions (flax's masked statistics)."""
+        mean square is taken over its True positions (flax's masked statistics).
+        ``residual``: normalizes ``x + residual`` and returns ``(y, h)``; ``gate``: the
+        gated norm. The parameters are the same in every form."""
         x = jnp.asarray(x)
         feature_shape, broadcast_shape = feature_param_shapes(x.shape, self.feature_axes)
         if math.prod(feature_shape) != self.num_features:
@@ -139,4 +156,6 @@ class RMSNorm(nnx.Module):
             None if scale is None else scale.reshape(broadcast_shape),
             None if bias is None else bias.reshape(broadcast_shape),
             mask,
+            residual,
+            gate,
         )
