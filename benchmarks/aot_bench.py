@@ -20,9 +20,11 @@ import re
 import jax
 import jax.numpy as jnp
 from implementations import (
+    FUSED,
     IMPLEMENTATIONS,
     copy_baseline,
     forward_backward,
+    fused_forward_backward,
     prenorm_stack_train_step,
     traffic_baseline,
 )
@@ -78,6 +80,17 @@ def estimate_shape(target: aot.Target, rows: int, features: int, dtype) -> list[
             r["fwd_of_bound"] = 2 * bound_us / r["fwd"]
             r["fwd_bwd_of_bound"] = 5 * bound_us / r["fwd_bwd"]
     return results
+
+
+def estimate_fused(target: aot.Target, rows: int, features: int, dtype) -> dict[str, float]:
+    """The compiler's forward+backward estimate of each fused op and its composition."""
+    mesh = _one_device(target)
+    x = aot.struct((rows, features), dtype, mesh, P())
+    scale = aot.struct((features,), dtype, mesh, P())
+    return {
+        name: _compiled_estimate(target, fused_forward_backward(fn), x, x, scale, x)[0]
+        for name, fn in FUSED.items()
+    }
 
 
 def train_step_memory(

@@ -38,9 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from implementations import (
+    FUSED,
     IMPLEMENTATIONS,
     copy_baseline,
     forward_backward,
+    fused_forward_backward,
+    fused_residual_bytes,
     traffic_baseline,
 )
 
@@ -281,8 +284,16 @@ def main(argv: list[str] | None = None):
         help="cpu (time on this machine) or an accelerator to compile for without one: "
         "tpu-v5e, tpu-v6e, h100, ... (the compiler's estimates; see rmsnorm_jax.aot)",
     )
+    parser.add_argument(
+        "--fused",
+        action="store_true",
+        help="compare add_rms_norm and gated_rms_norm with their hand-written flax "
+        "compositions instead (residual bytes; CPU time or the target's estimate)",
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
+    if args.fused:
+        return main_fused(args)
     if args.target != "cpu":
         return main_aot(args)
     repeats = args.repeats or (3 if args.quick else 10)
@@ -310,6 +321,88 @@ def main(argv: list[str] | None = None):
     (out / "results.md").write_text(header + table + "\n")
     (out / "summary.md").write_text(header + summary_markdown(results) + "\n")
     plot(results, out / "results.png")
+    return results
+
+
+def fused_inputs(rows: int, features: int, dtype):
+    kx, ko, ks, kd = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(kx, (rows, features), jnp.float32).astype(dtype)
+    other = jax.random.normal(ko, (rows, features), jnp.float32).astype(dtype)
+    scale = (1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)).astype(dtype)
+    dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
+    return x, other, scale, dy
+
+
+def main_fused(args) -> list[dict]:
+    """Fused LLM-layer ops against flax compositions: residual bytes and fwd+bwd cost.
+
+    On CPU the cost is the median time of interleaved rounds; on an accelerator target,
+    the compiler's estimate of a deviceless compile (not a hardware timing).
+    """
+    features = [256] if args.quick else [int(f) for f in args.features.split(",")]
+    mib = 0.25 if args.quick else args.mib
+    repeats = args.repeats or (3 if args.quick else 10)
+    target = None
+    if args.target != "cpu":
+        import aot_bench
+
+        from rmsnorm_jax import aot
+
+        target = aot.get_target(args.target)
+    results = []
+    for dtype in args.dtypes.split(","):
+        for f in features:
+            rows = max(8, int(mib * 2**20 / (jnp.dtype(dtype).itemsize * f)))
+            x, other, scale, dy = fused_inputs(rows, f, jnp.dtype(dtype))
+            if target is None:
+                calls = {
+                    name: (jax.jit(fused_forward_backward(fn)), (x, other, scale, dy))
+                    for name, fn in FUSED.items()
+                }
+                cost = time_calls(calls, repeats)
+            else:
+                cost = aot_bench.estimate_fused(target, rows, f, jnp.dtype(dtype))
+            for name, fn in FUSED.items():
+                results.append(
+                    dict(
+                        impl=name,
+                        features=f,
+                        rows=rows,
+                        dtype=jnp.dtype(dtype).name,
+                        fwd_bwd=cost[name],
+                        residual_x=fused_residual_bytes(fn, x, other, scale) / x.nbytes,
+                    )
+                )
+            print(f"done: fused {dtype} {rows}x{f}", flush=True)
+    unit = "ms, XLA:CPU" if target is None else f"{target.estimate_unit}, estimate"
+    where = machine() if target is None else f"{target.name}, compiler estimates (not timings)"
+    lines = [
+        f"Fused ops against hand-written flax compositions; {where}; x = {mib:g} MiB.\n",
+        f"| features | dtype | implementation | fwd+bwd ({unit}) | vs composition "
+        "| residuals / bytes(x) |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    pairs = {"add_rms_norm": "flax RMSNorm + add", "gated_rms_norm": "flax RMSNorm * silu"}
+    for r in results:
+        peer = pairs.get(r["impl"], r["impl"])
+        base = next(
+            q["fwd_bwd"]
+            for q in results
+            if q["impl"] == peer and q["features"] == r["features"] and q["dtype"] == r["dtype"]
+        )
+        r["vs_composition"] = r["fwd_bwd"] / base
+        value = 1e3 * r["fwd_bwd"] if target is None else r["fwd_bwd"]
+        lines.append(
+            f"| {r['features']} | {r['dtype']} | {r['impl']} | {value:,.2f} "
+            f"| {r['vs_composition']:.2f} | {r['residual_x']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "fused" if target is None else f"{target.name.replace(':', '_')}-fused"
+    (out / f"{stem}.md").write_text(table + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     return results
 
 

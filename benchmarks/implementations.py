@@ -110,3 +110,34 @@ def prenorm_stack_train_step(norm: Callable, layers: int = 8, mlp_ratio: int = 4
         }
 
     return train_step, params_shapes
+
+
+def _flax_rms_norm(x, scale):
+    return nn.RMSNorm(epsilon=EPS).apply({"params": {"scale": scale}}, x)
+
+
+# The fused LLM-layer ops beside what a user writes by hand with flax's norm. Each takes
+# (x, other, scale): other is the residual stream or the gate.
+FUSED: dict[str, Callable] = {
+    "add_rms_norm": lambda x, r, s: rmsnorm_jax.add_rms_norm(x, r, s, EPS),
+    "flax RMSNorm + add": lambda x, r, s: (_flax_rms_norm(x + r, s), x + r),
+    "gated_rms_norm": lambda x, z, s: rmsnorm_jax.gated_rms_norm(x, z, s, EPS),
+    "flax RMSNorm * silu": lambda x, z, s: _flax_rms_norm(x, s) * jax.nn.silu(z),
+}
+
+
+def fused_forward_backward(fn):
+    """Outputs and the gradients for (x, other, scale), cotangent ``dy`` for every output."""
+
+    def run(x, other, scale, dy):
+        out, vjp = jax.vjp(fn, x, other, scale)
+        cts = jax.tree.map(lambda o: dy.astype(o.dtype), out)
+        return out, vjp(cts)
+
+    return run
+
+
+def fused_residual_bytes(fn, x, other, scale) -> int:
+    """Bytes the backward pass keeps alive (``jax.vjp``'s residuals)."""
+    _, vjp = jax.vjp(fn, x, other, scale)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))

@@ -51,3 +51,21 @@ def test_quick_run_for_an_accelerator(tmp_path):
     assert report["memory"][0]["norm"] == "rms_norm"
     summary = (tmp_path / "h100-summary.md").read_text()
     assert "not a hardware timing" in summary and "| features |" in summary
+
+
+def test_quick_fused_run_on_cpu_and_h100(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for target in ("cpu", "h100"):
+        results = bench.main(["--fused", "--quick", "--target", target, "--out", str(tmp_path)])
+        by_name = {(r["impl"], r["dtype"]): r for r in results}
+        for dtype in ("float32", "bfloat16"):
+            # What the backward keeps, a property of the program: h (add), x and the gate
+            # (gated), against the compositions' full-size float32 copies.
+            assert by_name[("add_rms_norm", dtype)]["residual_x"] < 1.1
+            assert by_name[("gated_rms_norm", dtype)]["residual_x"] < 2.1
+            assert by_name[("flax RMSNorm + add", dtype)]["residual_x"] > 2.9
+            assert by_name[("flax RMSNorm * silu", dtype)]["residual_x"] > 7.9
+    assert (tmp_path / "fused.md").exists() and (tmp_path / "h100-fused.md").exists()
