@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import aot
 
-MEMORY_NORMS = ("rms_norm", "flax RMSNorm", "flax LayerNorm", "jnp + autodiff")
+MEMORY_NORMS = ("rms_norm", "add_rms_norm", "flax RMSNorm", "flax LayerNorm", "jnp + autodiff")
 
 
 def _one_device(target: aot.Target):
@@ -100,7 +100,9 @@ def train_step_memory(
     mesh = _one_device(target)
     out = []
     for name in norm_names:
-        step, shapes = prenorm_stack_train_step(IMPLEMENTATIONS[name])
+        step, shapes = prenorm_stack_train_step(
+            None if name == "add_rms_norm" else IMPLEMENTATIONS[name]
+        )
         params = jax.tree.map(
             lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.bfloat16)
         )

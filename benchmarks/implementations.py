@@ -66,7 +66,7 @@ def traffic_baseline(x, scale, dy):
     return x * 2, x * dy
 
 
-def prenorm_stack_train_step(norm: Callable, layers: int = 8, mlp_ratio: int = 4):
+def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp_ratio: int = 4):
     """An SGD step of a stack of pre-norm residual blocks, ``lax.scan`` over the layers.
 
     Each block has a Transformer layer's two norms: a token-wise linear mixer (standing
@@ -76,6 +76,8 @@ def prenorm_stack_train_step(norm: Callable, layers: int = 8, mlp_ratio: int = 4
     the programs compared, so their temporary memory shows what each norm keeps for the
     backward pass inside a real train step (under ``jit``, after XLA's own
     rematerialisation and buffer reuse).
+
+    ``norm=None``: every residual add fused into the next norm with ``add_rms_norm``.
 
     Returns ``(train_step, params_shapes)``: ``train_step(params, h) -> params`` and
     ``params_shapes(d, dtype)``, the parameters' ``ShapeDtypeStruct``s.
@@ -90,8 +92,23 @@ def prenorm_stack_train_step(norm: Callable, layers: int = 8, mlp_ratio: int = 4
         h, _ = jax.lax.scan(layer, h, params["layers"])
         return jnp.mean(jnp.square(norm(h, params["final_scale"]).astype(jnp.float32)))
 
+    def fused_loss(params, h):
+        # The same network with each residual add fused into the next norm
+        # (add_rms_norm): the scan carries the stream and the block's pending output.
+        def layer(carry, p):
+            h, delta = carry
+            y, h = rmsnorm_jax.add_rms_norm(delta, h, p["scale1"], EPS)
+            y, h = rmsnorm_jax.add_rms_norm((y @ p["wv"]) @ p["wo"], h, p["scale2"], EPS)
+            return (h, jax.nn.gelu(y @ p["w1"]) @ p["w2"]), None
+
+        (h, delta), _ = jax.lax.scan(layer, (h, jnp.zeros_like(h)), params["layers"])
+        y, _ = rmsnorm_jax.add_rms_norm(delta, h, params["final_scale"], EPS)
+        return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    objective = fused_loss if norm is None else loss
+
     def train_step(params, h):
-        grads = jax.grad(loss)(params, h)
+        grads = jax.grad(objective)(params, h)
         return jax.tree.map(lambda p, g: p - 1e-3 * g.astype(p.dtype), params, grads)
 
     def params_shapes(d: int, dtype) -> dict:
