@@ -224,3 +224,25 @@ def test_remat_policies_by_name(name):
     assert shapes(jax.checkpoint_policies.nothing_saveable) == inputs
     assert shapes(names("rms_norm_stat")) == sorted([*inputs, (16, 1)])
     assert shapes(names("rms_norm_out")) == sorted([*inputs, (16, 64)])
+
+
+def test_add_with_features_split_over_a_mesh_axis():
+    """shard_map, the features split over "model" (axis_name), the stream over "data"."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    ks = jax.random.split(jax.random.key(5), 5)
+    x, r = _normal(ks[0], (8, 32), jnp.float32, 2.0), _normal(ks[1], (8, 32), jnp.float32)
+    s, dy, dh = (
+        _normal(ks[2], (32,), jnp.float32, 0.2, 1.0),
+        _normal(ks[3], (8, 32), jnp.float32),
+        _normal(ks[4], (8, 32), jnp.float32),
+    )
+    spec = jax.P("data", "model")
+    mapped = jax.shard_map(
+        lambda x, r, s: add_rms_norm(x, r, s, axis_name="model"),
+        mesh=mesh,
+        in_specs=(spec, spec, jax.P("model")),
+        out_specs=(spec, spec),
+    )
+    got = _grads(mapped, (x, r, s), (dy, dh))
+    want = _grads(lambda x, r, s: add_rms_norm(x, r, s), (x, r, s), (dy, dh))
+    _compare(got, want, jnp.float32)
