@@ -210,16 +210,16 @@ def rms_norm(
     cfg, scale, bias, mask = _norm_config(
         x.shape,
         x.dtype,
-        scale,
-        eps,
-        bias,
-        axis,
-        p,
-        scale_offset,
-        eps_placement,
-        dtype,
-        axis_name,
-        mask,
+        scale=scale,
+        eps=eps,
+        bias=bias,
+        axis=axis,
+        p=p,
+        scale_offset=scale_offset,
+        eps_placement=eps_placement,
+        dtype=dtype,
+        axis_name=axis_name,
+        mask=mask,
     )
     return rms_norm_core(cfg, x, scale, bias, mask)
 
@@ -227,6 +227,7 @@ def rms_norm(
 def _norm_config(
     shape,
     x_dtype,
+    *,
     scale,
     eps,
     bias,
