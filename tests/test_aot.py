@@ -251,3 +251,24 @@ def test_row_groups_divide_the_rows():
         groups = row_groups(rows)
         assert rows % groups == 0
         assert groups == 1 or 32 <= rows // groups <= 512
+
+
+@pytest.mark.parametrize("target_name", ACCELERATORS)
+def test_fused_ops_compile_without_cpu_workarounds(target_name):
+    target = aot.get_target(target_name)
+    mesh = jax.sharding.Mesh(target.devices[:1], ("d",))
+    x = aot.struct((256, 1024), jnp.bfloat16, mesh, P())
+    stream = aot.struct((256, 1024), jnp.float32, mesh, P())
+    scale = aot.struct((1024,), jnp.float32, mesh, P())
+
+    def add_loss(x, r, s):
+        y, h = rmsnorm_jax.add_rms_norm(x, r, s)
+        return jnp.sum(y) + jnp.sum(h)
+
+    def gated_loss(x, z, s):
+        return jnp.sum(rmsnorm_jax.gated_rms_norm(x, z, s, group_size=256))
+
+    for loss, args in ((add_loss, (x, stream, scale)), (gated_loss, (x, x, scale))):
+        lowered = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args)
+        assert not aot.has_barrier(lowered)
+        lowered.compile(compiler_options=target.compiler_options)
