@@ -88,6 +88,7 @@ def gated_rms_norm_reference(
     group on its own."""
     sig = 1 / (1 + jnp.exp(-gate))
     act = gate * sig if activation == "silu" else sig
+    offset = kw.pop("scale_offset", 0.0)  # the gain is applied here, not per group
 
     def norm(v):
         if group_size is None:
@@ -95,7 +96,6 @@ def gated_rms_norm_reference(
         groups = jnp.split(v, v.shape[-1] // group_size, axis=-1)
         return jnp.concatenate([rms_norm_reference(g, eps=eps, **kw) for g in groups], -1)
 
-    offset = kw.pop("scale_offset", 0.0)
     gain = 1.0 if scale is None else scale + offset
     shift = 0.0 if bias is None else bias
     if norm_before_gate:
