@@ -227,6 +227,7 @@ def test_train_step_temp_memory_against_flax(target_name):
     "shape, keep",
     [
         ((4096, 96), (1,)),
+        ((1024, 4096), (1,)),
         ((3276, 40), (1,)),
         ((8, 512, 4, 16), (2, 3)),
         ((8, 512, 4, 16), (3,)),
