@@ -92,15 +92,19 @@ def _as_float_array(name: str, value: Any) -> jax.Array:
     return arr
 
 
+def _broadcasts_to(shape: tuple[int, ...], x_shape: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``x_shape`` without enlarging it."""
+    try:
+        return jnp.broadcast_shapes(shape, x_shape) == tuple(x_shape)
+    except ValueError:
+        return False
+
+
 def _check_param(name: str, value: Any, x_shape: tuple[int, ...]):
     if value is None:
         return None
     arr = _as_float_array(name, value)
-    try:
-        shape = jnp.broadcast_shapes(arr.shape, x_shape)
-    except ValueError:
-        shape = None
-    if shape != tuple(x_shape):
+    if not _broadcasts_to(arr.shape, x_shape):
         raise ValueError(
             f"{name} with shape {arr.shape} does not broadcast to x's shape {x_shape}; "
             f"give it the shape of the normalized features (e.g. {x_shape[-1:]}) or one "
@@ -299,11 +303,7 @@ def _check_mask(mask: Any, x_shape: tuple[int, ...], p: float, axis_name: Any):
             f"mask must be a boolean array (True where an element enters the mean "
             f"square), got dtype {arr.dtype}; e.g. mask=(tokens != pad_id)."
         )
-    try:
-        shape = jnp.broadcast_shapes(arr.shape, x_shape)
-    except ValueError:
-        shape = None
-    if shape != tuple(x_shape):
+    if not _broadcasts_to(arr.shape, x_shape):
         raise ValueError(
             f"mask with shape {arr.shape} does not broadcast to x's shape {x_shape}; give "
             f"it x's shape or one that broadcasts to it, e.g. {(*x_shape[:-1], 1)}."
