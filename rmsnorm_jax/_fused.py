@@ -357,9 +357,10 @@ def _grouped(x, gate, scale, bias, axis, p, group_size):
         if value is None:
             return None
         arr = _check_param(name, value, x.shape)
-        if arr.ndim == 0 or arr.shape[-1] == 1:
+        if arr.ndim == 0:
             return arr
-        full = jnp.broadcast_to(arr, (*arr.shape[:-1], x.shape[-1]))
-        return full.reshape((*arr.shape[:-1], *grouped[-2:]))
+        if arr.shape[-1] == 1:  # one value for every feature: size 1 on both new axes
+            return arr[..., None]
+        return arr.reshape((*arr.shape[:-1], *grouped[-2:]))
 
     return x.reshape(grouped), gate.reshape(grouped), param("scale", scale), param("bias", bias), -1

@@ -246,3 +246,13 @@ def test_add_with_features_split_over_a_mesh_axis():
     got = _grads(mapped, (x, r, s), (dy, dh))
     want = _grads(lambda x, r, s: add_rms_norm(x, r, s), (x, r, s), (dy, dh))
     _compare(got, want, jnp.float32)
+
+
+def test_gated_groups_keep_a_scale_that_broadcasts_over_features(x64):
+    """A (rows, 1) scale stays per row when the last axis is split into groups."""
+    ks = jax.random.split(jax.random.key(6), 3)
+    x, z = _normal(ks[0], (4, 16), jnp.float64), _normal(ks[1], (4, 16), jnp.float64)
+    scale = _normal(ks[2], (4, 1), jnp.float64, 0.3, 1.0)
+    y = gated_rms_norm(x, z, scale, 1e-5, group_size=4)
+    expected = gated_rms_norm_reference(x, z, scale, 1e-5, group_size=4)
+    assert_close(y, expected, **tol(jnp.float64))
