@@ -7,7 +7,9 @@ compiled the same way. Reported per program: the compiler's estimate (TPU: cycle
 GPU: microseconds), the number of kernels, the ratio to the baseline and, on GPU, the
 fraction of the bandwidth bound (forward 2, forward+backward 5 bytes moved per byte of
 x, over the device's HBM bandwidth). Then the temporary memory of a train step (an
-8-layer bfloat16 stack of pre-norm blocks with two norms each, d = 2048, 16k tokens) with each norm.
+8-layer bfloat16 stack of pre-norm blocks with two norms each, d = 2048, 16k tokens;
+relu, gelu and SwiGLU MLPs) with each norm, and with ``x * scale``: the floor, what any
+norm with a learnable scale followed by a matmul must keep.
 
 These are estimates from the compilers' cost models of deviceless compiles, not
 hardware timings: nothing runs and nothing is autotuned.
@@ -22,17 +24,27 @@ import jax.numpy as jnp
 from implementations import (
     FUSED,
     IMPLEMENTATIONS,
+    MLPS,
     copy_baseline,
     forward_backward,
     fused_forward_backward,
     prenorm_stack_train_step,
+    scale_only,
     traffic_baseline,
 )
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import aot
 
-MEMORY_NORMS = ("rms_norm", "add_rms_norm", "flax RMSNorm", "flax LayerNorm", "jnp + autodiff")
+MEMORY_FLOOR = "x * scale (floor)"
+MEMORY_NORMS = (
+    "rms_norm",
+    "add_rms_norm",
+    "flax RMSNorm",
+    "flax LayerNorm",
+    "jnp + autodiff",
+    MEMORY_FLOOR,
+)
 
 
 def _one_device(target: aot.Target):
@@ -93,36 +105,51 @@ def estimate_fused(target: aot.Target, rows: int, features: int, dtype) -> dict[
     }
 
 
-def train_step_memory(
-    target: aot.Target, norm_names=MEMORY_NORMS, d: int = 2048, tokens: int = 16384
-) -> list[dict]:
-    """Temporary bytes per device of one SGD step of the MLP stack, per norm."""
+def _train_step_temp_bytes(target: aot.Target, norm, mlp: str, d: int, tokens: int):
+    """``(temp bytes per device, fits)`` of one compiled SGD step of the stack."""
     mesh = _one_device(target)
+    step, shapes = prenorm_stack_train_step(norm, mlp=mlp)
+    params = jax.tree.map(
+        lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.bfloat16)
+    )
+    h = aot.struct((tokens, d), jnp.bfloat16, mesh, P())
+    try:
+        compiled = target.compile(jax.jit(step, donate_argnums=0), params, h)
+        return compiled.memory_analysis().temp_size_in_bytes, True
+    except jax.errors.JaxRuntimeError as err:
+        # The TPU compiler refuses a program that exceeds the chip's HBM and says how
+        # much its temporaries need.
+        need = re.search(r"HLO temporaries \(([\d.]+)G\)", str(err))
+        if need is None:
+            raise
+        return float(need.group(1)) * 2**30, False
+
+
+def train_step_memory(
+    target: aot.Target,
+    norm_names=MEMORY_NORMS,
+    d: int = 2048,
+    tokens: int = 16384,
+    mlps=MLPS,
+) -> list[dict]:
+    """Temporary bytes per device of one SGD step of the block stack, per MLP and norm.
+
+    One dict per (mlp, norm), with ``vs_flax`` (against ``flax RMSNorm`` with the same
+    MLP) and ``vs_floor`` (against ``scale_only``, the least a scaled norm can keep).
+    """
+    norms = {**IMPLEMENTATIONS, "add_rms_norm": None, MEMORY_FLOOR: scale_only}
     out = []
-    for name in norm_names:
-        step, shapes = prenorm_stack_train_step(
-            None if name == "add_rms_norm" else IMPLEMENTATIONS[name]
-        )
-        params = jax.tree.map(
-            lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.bfloat16)
-        )
-        h = aot.struct((tokens, d), jnp.bfloat16, mesh, P())
-        try:
-            compiled = target.compile(jax.jit(step, donate_argnums=0), params, h)
-            temp, fits = compiled.memory_analysis().temp_size_in_bytes, True
-        except jax.errors.JaxRuntimeError as err:
-            # The TPU compiler refuses a program that exceeds the chip's HBM and says
-            # how much its temporaries need.
-            need = re.search(r"HLO temporaries \(([\d.]+)G\)", str(err))
-            if need is None:
-                raise
-            temp, fits = float(need.group(1)) * 2**30, False
-        out.append(dict(norm=name, temp_bytes=temp, fits=fits))
-    ours = out[0]["temp_bytes"]
-    flax = next(r["temp_bytes"] for r in out if r["norm"] == "flax RMSNorm")
-    for r in out:
-        r["vs_flax"] = r["temp_bytes"] / flax
-        r["vs_ours"] = r["temp_bytes"] / ours
+    for mlp in mlps:
+        rows = []
+        for name in norm_names:
+            temp, fits = _train_step_temp_bytes(target, norms[name], mlp, d, tokens)
+            rows.append(dict(mlp=mlp, norm=name, temp_bytes=temp, fits=fits))
+        flax = next(r["temp_bytes"] for r in rows if r["norm"] == "flax RMSNorm")
+        floor = next((r["temp_bytes"] for r in rows if r["norm"] == MEMORY_FLOOR), None)
+        for r in rows:
+            r["vs_flax"] = r["temp_bytes"] / flax
+            r["vs_floor"] = None if floor is None else r["temp_bytes"] / floor
+        out.extend(rows)
     return out
 
 
@@ -205,11 +232,19 @@ def _summary_separator(head: str) -> str:
 
 
 def memory_markdown(memory: list[dict]) -> str:
+    """One row per norm, one column per MLP: MiB per device and the ratio to flax's."""
+    mlps = list(dict.fromkeys(r["mlp"] for r in memory))
+    norms = list(dict.fromkeys(r["norm"] for r in memory))
+    cell = {(r["mlp"], r["norm"]): r for r in memory}
     lines = [
-        "| norm | train-step temp memory (MiB per device) | vs flax RMSNorm |",
-        "|---|---:|---:|",
+        "| norm | " + " | ".join(f"{m} MLP: MiB | vs flax" for m in mlps) + " |",
+        "|---|" + "---:|---:|" * len(mlps),
     ]
-    for r in memory:
-        note = "" if r["fits"] else " (does not fit the device's memory)"
-        lines.append(f"| {r['norm']} | {r['temp_bytes'] / 2**20:,.0f}{note} | {r['vs_flax']:.2f} |")
+    for norm in norms:
+        cells = []
+        for m in mlps:
+            r = cell[(m, norm)]
+            note = "" if r["fits"] else " (does not fit)"
+            cells.append(f"{r['temp_bytes'] / 2**20:,.0f}{note} | {r['vs_flax']:.2f}")
+        lines.append(f"| {norm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -235,10 +235,14 @@ def main_aot(args) -> dict:
         f"(not a hardware timing); x = {mib:g} MiB per shape.\n\n"
     )
     memory_header = (
-        "Train step (8 pre-norm blocks of two norms each, a linear token mixer and a 4x MLP; "
+        "Train step (8 pre-norm blocks of two norms each, a linear token mixer and an MLP: "
+        "relu or gelu with 4x hidden units, or LLaMA's SwiGLU with 8/3x; "
         "bfloat16, lax.scan over layers, "
         f"d = {2048 if not args.quick else 256}, {16384 if not args.quick else 512} "
-        "tokens): temporary memory per device from the compiled program.\n\n"
+        "tokens): temporary memory per device from the compiled program. "
+        "`x * scale (floor)` is not a norm: it keeps what any norm with a learnable scale "
+        "followed by a matmul must keep (x for the scale's gradient), so no norm can "
+        "go below it.\n\n"
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

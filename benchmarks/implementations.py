@@ -66,27 +66,55 @@ def traffic_baseline(x, scale, dy):
     return x * 2, x * dy
 
 
-def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp_ratio: int = 4):
+# Only multiplies by the scale: the least any norm with a learnable scale can keep for
+# its backward when a matmul follows it (x for the scale's gradient; the matmul keeps
+# the output). Not a norm; the floor of the train-step memory table.
+def scale_only(x, scale):
+    return x * scale
+
+
+MLPS = ("relu", "gelu", "swiglu")
+
+
+def _mlp_hidden(d: int, mlp: str) -> int:
+    # 4x for relu and gelu; SwiGLU as in LLaMA: 2/3 of 4x, rounded up to 256.
+    return 4 * d if mlp != "swiglu" else -(-8 * d // 3 // 256) * 256
+
+
+def _mlp(y, p, mlp: str):
+    if mlp == "relu":
+        return jax.nn.relu(y @ p["w1"]) @ p["w2"]
+    if mlp == "gelu":
+        return jax.nn.gelu(y @ p["w1"]) @ p["w2"]
+    if mlp == "swiglu":
+        return (jax.nn.silu(y @ p["w1"]) * (y @ p["w3"])) @ p["w2"]
+    raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
+
+
+def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp: str = "swiglu"):
     """An SGD step of a stack of pre-norm residual blocks, ``lax.scan`` over the layers.
 
     Each block has a Transformer layer's two norms: a token-wise linear mixer (standing
-    in for attention, ``h + norm1(h) @ wv @ wo``) and an MLP
-    (``h + gelu(norm2(h) @ w1) @ w2``); then a final norm and a mean-square loss. The
-    parameters and activations share the dtype of ``h``. Only the norm differs between
-    the programs compared, so their temporary memory shows what each norm keeps for the
-    backward pass inside a real train step (under ``jit``, after XLA's own
-    rematerialisation and buffer reuse).
+    in for attention, ``h + norm1(h) @ wv @ wo``) and an MLP (``mlp``: ``"relu"`` or
+    ``"gelu"`` (tanh form) with 4x hidden units, or LLaMA's ``"swiglu"``,
+    ``(silu(y @ w1) * (y @ w3)) @ w2`` with 8/3x); then a final norm and a mean-square
+    loss. The parameters and activations share the dtype of ``h``. Only the norm
+    differs between the programs compared, so their temporary memory shows what each
+    norm keeps for the backward pass inside a real train step (under ``jit``, after
+    XLA's own rematerialisation and buffer reuse).
 
     ``norm=None``: every residual add fused into the next norm with ``add_rms_norm``.
 
     Returns ``(train_step, params_shapes)``: ``train_step(params, h) -> params`` and
     ``params_shapes(d, dtype)``, the parameters' ``ShapeDtypeStruct``s.
     """
+    if mlp not in MLPS:
+        raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
 
     def loss(params, h):
         def layer(h, p):
             h = h + (norm(h, p["scale1"]) @ p["wv"]) @ p["wo"]
-            h = h + jax.nn.gelu(norm(h, p["scale2"]) @ p["w1"]) @ p["w2"]
+            h = h + _mlp(norm(h, p["scale2"]), p, mlp)
             return h, None
 
         h, _ = jax.lax.scan(layer, h, params["layers"])
@@ -99,7 +127,7 @@ def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp_ratio: 
             h, delta = carry
             y, h = rmsnorm_jax.add_rms_norm(delta, h, p["scale1"], EPS)
             y, h = rmsnorm_jax.add_rms_norm((y @ p["wv"]) @ p["wo"], h, p["scale2"], EPS)
-            return (h, jax.nn.gelu(y @ p["w1"]) @ p["w2"]), None
+            return (h, _mlp(y, p, mlp)), None
 
         (h, delta), _ = jax.lax.scan(layer, (h, jnp.zeros_like(h)), params["layers"])
         y, _ = rmsnorm_jax.add_rms_norm(delta, h, params["final_scale"], EPS)
@@ -113,18 +141,18 @@ def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp_ratio: 
 
     def params_shapes(d: int, dtype) -> dict:
         s = jax.ShapeDtypeStruct
-        hidden = mlp_ratio * d
-        return {
-            "layers": {
-                "scale1": s((layers, d), dtype),
-                "scale2": s((layers, d), dtype),
-                "wv": s((layers, d, d), dtype),
-                "wo": s((layers, d, d), dtype),
-                "w1": s((layers, d, hidden), dtype),
-                "w2": s((layers, hidden, d), dtype),
-            },
-            "final_scale": s((d,), dtype),
+        hidden = _mlp_hidden(d, mlp)
+        per_layer = {
+            "scale1": s((layers, d), dtype),
+            "scale2": s((layers, d), dtype),
+            "wv": s((layers, d, d), dtype),
+            "wo": s((layers, d, d), dtype),
+            "w1": s((layers, d, hidden), dtype),
+            "w2": s((layers, hidden, d), dtype),
         }
+        if mlp == "swiglu":
+            per_layer["w3"] = s((layers, d, hidden), dtype)
+        return {"layers": per_layer, "final_scale": s((d,), dtype)}
 
     return train_step, params_shapes
 
