@@ -153,6 +153,67 @@ def train_step_memory(
     return out
 
 
+COST_NORMS = ("rms_norm", "flax RMSNorm", "flax LayerNorm", "jnp + autodiff")
+
+
+def train_step_cost(
+    target: aot.Target,
+    norm_names=COST_NORMS,
+    d: int = 1024,
+    tokens: int = 8192,
+    dtypes=("float32", "bfloat16"),
+    layers: int = 2,
+) -> list[dict]:
+    """The compiler's estimate of one whole SGD step of the block stack, per norm.
+
+    The isolated forward+backward programs of :func:`estimate_shape` take the
+    cotangent ``dy`` as an input, so XLA may compute ``y`` inside the backward's
+    reduction kernel; in a network ``dy`` depends on ``y`` and it cannot. This is the
+    same comparison where ``y`` feeds a matmul and ``dy`` comes back through it: the
+    SwiGLU stack of :func:`prenorm_stack_train_step` with its scan unrolled (a loop
+    body would be counted once), parameters and activations in ``dtype``.
+    """
+    mesh = _one_device(target)
+    out = []
+    for dtype in dtypes:
+        rows = []
+        for name in norm_names:
+            step, shapes = prenorm_stack_train_step(
+                IMPLEMENTATIONS[name], layers=layers, mlp="swiglu", unroll=True
+            )
+            params = jax.tree.map(
+                lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.dtype(dtype))
+            )
+            h = aot.struct((tokens, d), jnp.dtype(dtype), mesh, P())
+            compiled = target.compile(jax.jit(step, donate_argnums=0), params, h)
+            rows.append(dict(dtype=dtype, norm=name, step=aot.estimate(compiled, target)))
+        ours = rows[0]["step"]
+        for r in rows:
+            r["vs_ours"] = r["step"] / ours
+            r["minus_ours"] = r["step"] - ours
+        out.extend(rows)
+    return out
+
+
+def cost_markdown(target: aot.Target, cost: list[dict]) -> str:
+    """One row per norm, one column pair per dtype: the step estimate and its excess."""
+    unit = target.estimate_unit
+    dtypes = list(dict.fromkeys(r["dtype"] for r in cost))
+    norms = list(dict.fromkeys(r["norm"] for r in cost))
+    cell = {(r["dtype"], r["norm"]): r for r in cost}
+    lines = [
+        "| norm | " + " | ".join(f"{dt} step ({unit}) | minus rms_norm's" for dt in dtypes) + " |",
+        "|---|" + "---:|---:|" * len(dtypes),
+    ]
+    for norm in norms:
+        cells = [
+            f"{cell[(dt, norm)]['step']:,.0f} | {cell[(dt, norm)]['minus_ours']:+,.0f}"
+            for dt in dtypes
+        ]
+        lines.append(f"| {norm} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def estimates_markdown(target: aot.Target, results: list[dict]) -> str:
     """One row per shape, dtype and implementation."""
     unit = target.estimate_unit

@@ -91,7 +91,9 @@ def _mlp(y, p, mlp: str):
     raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
 
 
-def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp: str = "swiglu"):
+def prenorm_stack_train_step(
+    norm: Callable | None, layers: int = 8, mlp: str = "swiglu", unroll: bool = False
+):
     """An SGD step of a stack of pre-norm residual blocks, ``lax.scan`` over the layers.
 
     Each block has a Transformer layer's two norms: a token-wise linear mixer (standing
@@ -104,6 +106,8 @@ def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp: str = 
     XLA's own rematerialisation and buffer reuse).
 
     ``norm=None``: every residual add fused into the next norm with ``add_rms_norm``.
+    ``unroll``: unroll the scan, so that a compiler's cost estimate (which counts a loop
+    body once) covers every layer.
 
     Returns ``(train_step, params_shapes)``: ``train_step(params, h) -> params`` and
     ``params_shapes(d, dtype)``, the parameters' ``ShapeDtypeStruct``s.
@@ -117,7 +121,7 @@ def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp: str = 
             h = h + _mlp(norm(h, p["scale2"]), p, mlp)
             return h, None
 
-        h, _ = jax.lax.scan(layer, h, params["layers"])
+        h, _ = jax.lax.scan(layer, h, params["layers"], unroll=unroll)
         return jnp.mean(jnp.square(norm(h, params["final_scale"]).astype(jnp.float32)))
 
     def fused_loss(params, h):
@@ -129,7 +133,7 @@ def prenorm_stack_train_step(norm: Callable | None, layers: int = 8, mlp: str = 
             y, h = rmsnorm_jax.add_rms_norm((y @ p["wv"]) @ p["wo"], h, p["scale2"], EPS)
             return (h, _mlp(y, p, mlp)), None
 
-        (h, delta), _ = jax.lax.scan(layer, (h, jnp.zeros_like(h)), params["layers"])
+        (h, delta), _ = jax.lax.scan(layer, (h, jnp.zeros_like(h)), params["layers"], unroll=unroll)
         y, _ = rmsnorm_jax.add_rms_norm(delta, h, params["final_scale"], EPS)
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
