@@ -105,16 +105,22 @@ def estimate_fused(target: aot.Target, rows: int, features: int, dtype) -> dict[
     }
 
 
-def _train_step_temp_bytes(target: aot.Target, norm, mlp: str, d: int, tokens: int):
-    """``(temp bytes per device, fits)`` of one compiled SGD step of the stack."""
+def _compile_train_step(target: aot.Target, norm, d: int, tokens: int, dtype, **model):
+    """One SGD step of :func:`prenorm_stack_train_step` (``model``: its options),
+    compiled for one device of ``target``."""
     mesh = _one_device(target)
-    step, shapes = prenorm_stack_train_step(norm, mlp=mlp)
+    step, shapes = prenorm_stack_train_step(norm, **model)
     params = jax.tree.map(
-        lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.bfloat16)
+        lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.dtype(dtype))
     )
-    h = aot.struct((tokens, d), jnp.bfloat16, mesh, P())
+    h = aot.struct((tokens, d), jnp.dtype(dtype), mesh, P())
+    return target.compile(jax.jit(step, donate_argnums=0), params, h)
+
+
+def _train_step_temp_bytes(target: aot.Target, norm, mlp: str, d: int, tokens: int):
+    """``(temp bytes per device, fits)`` of one bfloat16 SGD step of the stack."""
     try:
-        compiled = target.compile(jax.jit(step, donate_argnums=0), params, h)
+        compiled = _compile_train_step(target, norm, d, tokens, jnp.bfloat16, mlp=mlp)
         return compiled.memory_analysis().temp_size_in_bytes, True
     except jax.errors.JaxRuntimeError as err:
         # The TPU compiler refuses a program that exceeds the chip's HBM and says how
@@ -173,19 +179,20 @@ def train_step_cost(
     SwiGLU stack of :func:`prenorm_stack_train_step` with its scan unrolled (a loop
     body would be counted once), parameters and activations in ``dtype``.
     """
-    mesh = _one_device(target)
     out = []
     for dtype in dtypes:
         rows = []
         for name in norm_names:
-            step, shapes = prenorm_stack_train_step(
-                IMPLEMENTATIONS[name], layers=layers, mlp="swiglu", unroll=True
+            compiled = _compile_train_step(
+                target,
+                IMPLEMENTATIONS[name],
+                d,
+                tokens,
+                dtype,
+                layers=layers,
+                mlp="swiglu",
+                unroll=True,
             )
-            params = jax.tree.map(
-                lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.dtype(dtype))
-            )
-            h = aot.struct((tokens, d), jnp.dtype(dtype), mesh, P())
-            compiled = target.compile(jax.jit(step, donate_argnums=0), params, h)
             rows.append(dict(dtype=dtype, norm=name, step=aot.estimate(compiled, target)))
         ours = rows[0]["step"]
         for r in rows:
