@@ -202,23 +202,30 @@ def train_step_cost(
     return out
 
 
-def cost_markdown(target: aot.Target, cost: list[dict]) -> str:
-    """One row per norm, one column pair per dtype: the step estimate and its excess."""
-    unit = target.estimate_unit
-    dtypes = list(dict.fromkeys(r["dtype"] for r in cost))
-    norms = list(dict.fromkeys(r["norm"] for r in cost))
-    cell = {(r["dtype"], r["norm"]): r for r in cost}
+def _pivot_markdown(records: list[dict], column: str, head, cell) -> str:
+    """A table with one row per norm and, per value of ``records[i][column]``, the two
+    cells ``cell(record)`` (``"a | b"``) under the headings ``head(value)``."""
+    columns = list(dict.fromkeys(r[column] for r in records))
+    norms = list(dict.fromkeys(r["norm"] for r in records))
+    by_key = {(r[column], r["norm"]): r for r in records}
     lines = [
-        "| norm | " + " | ".join(f"{dt} step ({unit}) | minus rms_norm's" for dt in dtypes) + " |",
-        "|---|" + "---:|---:|" * len(dtypes),
+        "| norm | " + " | ".join(head(c) for c in columns) + " |",
+        "|---|" + "---:|---:|" * len(columns),
     ]
     for norm in norms:
-        cells = [
-            f"{cell[(dt, norm)]['step']:,.0f} | {cell[(dt, norm)]['minus_ours']:+,.0f}"
-            for dt in dtypes
-        ]
-        lines.append(f"| {norm} | " + " | ".join(cells) + " |")
+        cells = " | ".join(cell(by_key[(c, norm)]) for c in columns)
+        lines.append(f"| {norm} | {cells} |")
     return "\n".join(lines)
+
+
+def cost_markdown(target: aot.Target, cost: list[dict]) -> str:
+    """One row per norm, one column pair per dtype: the step estimate and its excess."""
+    return _pivot_markdown(
+        cost,
+        "dtype",
+        lambda dt: f"{dt} step ({target.estimate_unit}) | minus rms_norm's",
+        lambda r: f"{r['step']:,.0f} | {r['minus_ours']:+,.0f}",
+    )
 
 
 def estimates_markdown(target: aot.Target, results: list[dict]) -> str:
@@ -301,18 +308,9 @@ def _summary_separator(head: str) -> str:
 
 def memory_markdown(memory: list[dict]) -> str:
     """One row per norm, one column per MLP: MiB per device and the ratio to flax's."""
-    mlps = list(dict.fromkeys(r["mlp"] for r in memory))
-    norms = list(dict.fromkeys(r["norm"] for r in memory))
-    cell = {(r["mlp"], r["norm"]): r for r in memory}
-    lines = [
-        "| norm | " + " | ".join(f"{m} MLP: MiB | vs flax" for m in mlps) + " |",
-        "|---|" + "---:|---:|" * len(mlps),
-    ]
-    for norm in norms:
-        cells = []
-        for m in mlps:
-            r = cell[(m, norm)]
-            note = "" if r["fits"] else " (does not fit)"
-            cells.append(f"{r['temp_bytes'] / 2**20:,.0f}{note} | {r['vs_flax']:.2f}")
-        lines.append(f"| {norm} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(r):
+        note = "" if r["fits"] else " (does not fit)"
+        return f"{r['temp_bytes'] / 2**20:,.0f}{note} | {r['vs_flax']:.2f}"
+
+    return _pivot_markdown(memory, "mlp", lambda m: f"{m} MLP: MiB | vs flax", cell)

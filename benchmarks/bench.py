@@ -252,6 +252,14 @@ def main_aot(args) -> dict:
         "comes back through it, so, unlike in the isolated forward+backward programs "
         "above, XLA cannot compute y inside the backward's reduction kernel.\n\n"
     )
+    step_tables = (
+        memory_header
+        + aot_bench.memory_markdown(memory)
+        + "\n\n"
+        + cost_header
+        + aot_bench.cost_markdown(target, cost)
+        + "\n"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = target.name.replace(":", "_")
@@ -264,27 +272,9 @@ def main_aot(args) -> dict:
     }
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
     (out / f"{stem}.md").write_text(
-        header
-        + aot_bench.estimates_markdown(target, results)
-        + "\n\n"
-        + memory_header
-        + aot_bench.memory_markdown(memory)
-        + "\n\n"
-        + cost_header
-        + aot_bench.cost_markdown(target, cost)
-        + "\n"
+        header + aot_bench.estimates_markdown(target, results) + "\n\n" + step_tables
     )
-    summary = (
-        header
-        + aot_bench.summary_markdown(target, results)
-        + "\n\n"
-        + memory_header
-        + aot_bench.memory_markdown(memory)
-        + "\n\n"
-        + cost_header
-        + aot_bench.cost_markdown(target, cost)
-        + "\n"
-    )
+    summary = header + aot_bench.summary_markdown(target, results) + "\n\n" + step_tables
     (out / f"{stem}-summary.md").write_text(summary)
     print(summary)
     return report
