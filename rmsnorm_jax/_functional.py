@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import kernels
 from ._vjp import NormConfig, rms_norm_core
 
 EPS_PLACEMENTS = ("inside", "outside")
@@ -136,6 +137,7 @@ def rms_norm(
     dtype: Any = None,
     axis_name: Hashable | None = None,
     mask: Any = None,
+    implementation: str = "auto",
 ) -> jax.Array:
     r"""Root-mean-square layer normalisation (Zhang & Sennrich, 2019), with pRMSNorm.
 
@@ -189,6 +191,15 @@ def rms_norm(
       mask: optional boolean (or integer 0/1) array that broadcasts to ``x``; an
         element enters the mean square where it is True. Not differentiated. Not
         combined with ``p < 1`` or ``axis_name`` (raises: the meaning is ambiguous).
+      implementation: which path computes the norm. ``"xla"``: XLA's fusions of the
+        jnp expression. ``"pallas"``: the fused Pallas kernels (``rmsnorm_jax.kernels``:
+        Triton on GPU, Mosaic on TPU, interpret mode on CPU), one pass forward and one
+        backward, where the call fits them: the last axis normalized alone, no
+        ``mask``, no ``axis_name``, float32/bfloat16/float16 input, ``scale`` and
+        ``bias`` of one value per feature, a row that fits a kernel block; otherwise
+        XLA. Their backward is first order only (grad-of-grad raises). ``"auto"``
+        (default): the kernels only where a measurement on hardware found them faster
+        (``rmsnorm_jax.kernels.MEASURED``, empty so far: XLA everywhere).
 
     Returns:
       ``y`` with the shape of ``x``.
@@ -197,7 +208,8 @@ def rms_norm(
       TypeError, ValueError: for a non-floating ``x``, a ``scale``, ``bias`` or
         ``mask`` that does not broadcast, a floating ``mask``, ``mask`` with ``p < 1``
         or ``axis_name``, ``p`` outside (0, 1], a negative, NaN or traced ``eps``,
-        bad axes, an empty normalized axis, or an unknown ``eps_placement``.
+        bad axes, an empty normalized axis, an unknown ``eps_placement`` or
+        ``implementation``.
 
     Example:
 
@@ -225,6 +237,9 @@ def rms_norm(
         axis_name=axis_name,
         mask=mask,
     )
+    spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask)
+    if spec is not None:
+        return kernels.rms_norm_kernel(cfg, spec, x, scale, bias)
     return rms_norm_core(cfg, x, scale, bias, mask)
 
 

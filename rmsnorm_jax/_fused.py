@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 from ._backends import vma
 from ._functional import (
     _as_float_array,
@@ -174,6 +175,7 @@ def add_rms_norm(
     dtype: Any = None,
     axis_name: Hashable | None = None,
     mask: Any = None,
+    implementation: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     r"""Residual add fused with RMSNorm: the pre-norm residual stream of a Transformer.
 
@@ -202,6 +204,10 @@ def add_rms_norm(
       scale, eps, bias, axis, p, scale_offset, eps_placement, dtype, axis_name, mask:
         as in :func:`rms_norm`, applied to ``h``.
       residual_dtype: dtype of ``h``.
+      implementation: ``"auto"``, ``"xla"`` or ``"pallas"``, as in :func:`rms_norm`.
+        The kernels' forward reads ``x`` and ``residual`` and writes ``y``, ``h`` and the
+        statistic in one pass; their backward reads ``h``, ``dy``, the cotangent of ``h``
+        and the statistic, and writes the gradient both inputs share.
 
     Returns:
       ``(y, h)``, both of ``x``'s shape.
@@ -238,6 +244,9 @@ def add_rms_norm(
         mask=mask,
     )
     acfg = AddConfig(np.dtype(residual_dtype), jax.typeof(x), jax.typeof(residual))
+    spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask)
+    if spec is not None:
+        return kernels.add_rms_norm_kernel(cfg, spec, acfg, x, residual, scale, bias)
     return add_rms_norm_core(cfg, acfg, x, residual, scale, bias, mask)
 
 
@@ -256,6 +265,7 @@ def gated_rms_norm(
     scale_offset: float = 0.0,
     eps_placement: str = "inside",
     dtype: Any = None,
+    implementation: str = "auto",
 ) -> jax.Array:
     r"""Gated RMSNorm (Mamba2, FLA's ``FusedRMSNormGated``, Qwen3-Next's ``RMSNormGated``).
 
@@ -289,6 +299,9 @@ def gated_rms_norm(
       norm_before_gate: normalize then gate (default, Mamba2's and FLA's default), or
         gate then normalize.
       group_size: optional int dividing the last axis: the statistic per group.
+      implementation: ``"auto"``, ``"xla"`` or ``"pallas"``, accepted for a uniform API
+        with :func:`rms_norm`; there is no fused kernel for the gated form yet, so every
+        value computes it with XLA.
 
     Returns:
       ``y`` of ``x``'s shape.
@@ -309,6 +322,7 @@ def gated_rms_norm(
     """
     x = _as_float_array("x", x)
     gate = _check_like_x("gate", gate, x)
+    kernels.check_implementation(implementation)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
     if not isinstance(norm_before_gate, bool):

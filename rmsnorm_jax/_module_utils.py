@@ -61,6 +61,7 @@ def normalize(
         scale_offset=module.scale_offset,
         eps_placement=module.eps_placement,
         dtype=module.dtype,
+        implementation=getattr(module, "implementation", "auto"),
     )
     if gate is not None:
         if mask is not None or module.axis_name is not None:

@@ -65,6 +65,10 @@ class RMSNorm(nn.Module):
         ``__call__`` gets ``gate=`` (see :func:`rmsnorm_jax.gated_rms_norm`):
         ``"silu"`` or ``"sigmoid"``; normalize then gate (default) or gate then
         normalize; the statistic per group of ``group_size`` features (Mamba2).
+      implementation: which path computes the norm: ``"xla"``, ``"pallas"`` (the
+        fused kernels, where the call fits them) or ``"auto"`` (default: per backend
+        and shape from measurements on hardware; XLA where none). See
+        :func:`rmsnorm_jax.rms_norm`.
 
     Example:
 
@@ -99,6 +103,7 @@ class RMSNorm(nn.Module):
     activation: str = "silu"
     norm_before_gate: bool = True
     group_size: int | None = None
+    implementation: str = "auto"
 
     def _feature_param(self, name: str, init: Initializer, shape, broadcast_shape):
         if self.logical_axes is not None:

@@ -1,0 +1,119 @@
+"""The contract between the dispatch (``kernels/__init__.py``) and each backend's kernels.
+
+A backend module (``gpu.py``: Pallas-Triton; ``tpu.py``: Pallas Mosaic TPU) exposes
+
+    fits(spec, rows, x_dtype) -> bool
+        whether a block of whole rows of ``spec.n`` features fits the kernel (features
+        too wide for registers/VMEM: False, and the call stays on XLA).
+
+    forward(spec, x, scale, bias, residual=None, *, h_dtype=None, interpret=False)
+        -> (y, stat, h)
+        x, residual: (rows, n); scale, bias: (n,) or None (in their own dtypes).
+        With ``residual``: h = x.astype(h_dtype) + residual.astype(h_dtype) is the row
+        that is normalized and is returned; otherwise h is None and x is normalized.
+        y: (rows, n) in spec.out_dtype; stat: (rows,) float32, the per-row residual of
+        the XLA core (``_vjp.py``): rsqrt(ms + eps) for "inside", sqrt(ms) for
+        "outside", ms = mean of the squares of the first spec.k features.
+        One pass: reads x (and residual) once, writes y (and h) once.
+
+    backward(spec, x, dy, stat, scale, dh=None, *, dx_dtype, interpret=False)
+        -> (dx, dscale_partials, dbias_partials)
+        x: the normalized rows (h for the residual form), dy: (rows, n); stat: (rows,)
+        float32 as above; scale: (n,) or None; dh: (rows, n) or None, a cotangent added
+        to dx (the residual form's cotangent of h).
+        dx: (rows, n) in dx_dtype. dscale_partials / dbias_partials: (blocks, n)
+        float32 partial sums over blocks of rows of dy * xhat / dy (None when
+        spec.has_scale / spec.has_bias is False); the caller sums them over axis 0.
+        One pass: reads x, dy (and dh) once, writes dx once.
+
+The maths is ``../shared/FACTS.md``'s and the per-row helpers below are shared by every
+backend's kernel body, so that the kernels and the XLA path compute the same formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Static description of one kernel call (hashable).
+
+    Attributes:
+      n: features per row (the last axis).
+      k: features that enter the mean square (the first k; k == n for p = 1).
+      eps: the epsilon.
+      inside: True for rsqrt(ms + eps), False for 1 / (sqrt(ms) + eps).
+      scale_offset: added to scale before it multiplies (1.0: Gemma's 1 + scale).
+      has_scale, has_bias: whether scale / bias are given.
+      out_dtype: dtype of y.
+    """
+
+    n: int
+    k: int
+    eps: float
+    inside: bool
+    scale_offset: float
+    has_scale: bool
+    has_bias: bool
+    out_dtype: np.dtype
+
+
+# Per-row maths on float32 blocks of shape (rows, n); ``col`` is the feature index of
+# each column (an iota, (1, n) or (rows, n)), so padded columns (col >= n) and the tail
+# of pRMSNorm (col >= k) can be masked.
+
+
+def mean_square(spec: KernelSpec, xf: jax.Array, col: jax.Array) -> jax.Array:
+    """(rows, 1): mean of the squares of the first k features (padding excluded)."""
+    sq = jnp.where(col < spec.k, xf * xf, 0.0)
+    return jnp.sum(sq, axis=-1, keepdims=True) * (1.0 / spec.k)
+
+
+def stat_from_ms(spec: KernelSpec, ms: jax.Array) -> jax.Array:
+    """The per-row residual: rsqrt(ms + eps) (inside) or sqrt(ms) (outside)."""
+    return lax.rsqrt(ms + spec.eps) if spec.inside else jnp.sqrt(ms)
+
+
+def inv_rms(spec: KernelSpec, stat: jax.Array) -> jax.Array:
+    """r = 1 / RMS from the residual."""
+    return stat if spec.inside else 1.0 / (stat + spec.eps)
+
+
+def gain(spec: KernelSpec, scale_f: jax.Array | None) -> jax.Array | float:
+    """(scale + scale_offset) in float32, or 1.0 without a scale."""
+    if scale_f is None:
+        return 1.0
+    return scale_f + spec.scale_offset if spec.scale_offset else scale_f
+
+
+def normalized(spec, xf, stat, scale_f, bias_f):
+    """(scale + offset) * x * r + bias, float32."""
+    y = xf * inv_rms(spec, stat) * gain(spec, scale_f)
+    return y if bias_f is None else y + bias_f
+
+
+def input_grad(spec, xf, dyf, stat, scale_f, col):
+    """dx (float32) of one block of rows (FACTS.md):
+
+    dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j * x_j * r,
+    gdy = (scale + offset) * dy, alpha = r (inside) or 1/s (outside; 0 where s == 0).
+    Padded columns must hold x == 0 and dy == 0.
+    """
+    r = inv_rms(spec, stat)
+    gdy = dyf * gain(spec, scale_f)
+    mean_term = jnp.sum(gdy * xf, axis=-1, keepdims=True) * (r * (1.0 / spec.k))
+    if spec.inside:
+        alpha = r
+    else:
+        safe = jnp.where(stat > 0, stat, 1.0)
+        alpha = jnp.where(stat > 0, 1.0 / safe, 0.0)
+    correction = xf * (mean_term * alpha * r)
+    if spec.k < spec.n:
+        correction = jnp.where(col < spec.k, correction, 0.0)
+    return r * gdy - correction
