@@ -63,7 +63,7 @@ def _row_param(param, n: int) -> bool:
     return param is None or (param.shape[-1:] == (n,) and math.prod(param.shape) == n)
 
 
-def kernel_spec(cfg, x_dtype, scale, bias, mask) -> KernelSpec | None:
+def kernel_spec(cfg, x, scale, bias, mask) -> KernelSpec | None:
     """The kernels' description of a call, or None where the call does not fit them.
 
     The kernels take rows of the last axis (any leading dims), float32, bfloat16 or
@@ -73,10 +73,9 @@ def kernel_spec(cfg, x_dtype, scale, bias, mask) -> KernelSpec | None:
     last alone, float64, or a scale/bias that varies along the rows: those stay on XLA.
     (Rows too wide for a kernel's block fall back per backend, see ``kernels/__init__``.)
     """
-    last = (len(cfg.axes) == 1) and cfg.axes[0] >= 0
-    if mask is not None or cfg.axis_name is not None or not last:
+    if mask is not None or cfg.axis_name is not None or cfg.axes != (x.ndim - 1,):
         return None
-    if np.dtype(x_dtype) not in KERNEL_DTYPES or cfg.compute_dtype != np.dtype(jnp.float32):
+    if np.dtype(x.dtype) not in KERNEL_DTYPES or cfg.compute_dtype != np.dtype(jnp.float32):
         return None
     if not (_row_param(scale, cfg.n) and _row_param(bias, cfg.n)):
         return None
@@ -111,8 +110,8 @@ def use_kernels(implementation: str, cfg, x, scale, bias, mask) -> KernelSpec | 
     implementation = check_implementation(implementation)
     if implementation == "xla":
         return None
-    spec = kernel_spec(cfg, x.dtype, scale, bias, mask)
-    if spec is None or x.ndim == 0:
+    spec = kernel_spec(cfg, x, scale, bias, mask)
+    if spec is None:
         return None
     if implementation == "auto" and not _measured_faster(spec, x.dtype):
         return None

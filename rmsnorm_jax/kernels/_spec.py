@@ -117,3 +117,11 @@ def input_grad(spec, xf, dyf, stat, scale_f, col):
     if spec.k < spec.n:
         correction = jnp.where(col < spec.k, correction, 0.0)
     return r * gdy - correction
+
+
+def out_struct(shape, dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel output's ``out_shape``, varying over the mesh axes that ``like`` varies
+    over: inside a ``shard_map`` with ``check_vma=True`` Pallas needs it said."""
+    return jax.ShapeDtypeStruct(
+        shape, dtype, manual_axis_type=getattr(jax.typeof(like), "manual_axis_type", None)
+    )

@@ -1,0 +1,483 @@
+"""Pallas-Triton kernels for NVIDIA GPUs: RMSNorm in one pass forward and one pass backward.
+
+The contract is ``_spec.py``'s (``fits``, ``forward``, ``backward``); the maths is its
+per-row helpers, called on float32 blocks inside the kernel bodies, so these kernels and
+the XLA path of ``_vjp.py`` compute the same formula:
+
+    ms   = (1/k) sum_{i<k} x_i^2           (float32, the first k of the n features)
+    stat = rsqrt(ms + eps)  ("inside")  or  sqrt(ms)  ("outside")
+    y    = (scale + scale_offset) * x * r + bias,  r = stat or 1 / (stat + eps)
+
+Dtypes: x (and residual, dy, dh) float32, bfloat16 or float16; everything is computed in
+float32; y is written in ``spec.out_dtype``, h in ``h_dtype``, dx in ``dx_dtype``, the
+statistic and the parameter-gradient partial sums in float32.
+
+Memory schedule (one HBM pass each way):
+
+- forward: a grid of ``cdiv(rows, block_rows)`` programs; each loads ``block_rows`` whole
+  rows once (x, and the residual for ``add_rms_norm``), keeps them in registers, and writes
+  y (and h) and the per-row statistic. Nothing else of full size is read or written.
+- backward: a persistent grid of a fixed number of programs (:func:`backward_programs`,
+  a few per H100 SM); program ``p`` walks the row blocks ``p, p + P, p + 2P, ...``, reads
+  x, dy (and dh) and the statistic once, writes dx, and accumulates the scale and bias
+  gradients of its rows in registers. It writes one float32 row of partial sums per
+  program, shape ``(programs, n)``, which the caller sums over axis 0: deterministic
+  (a fixed order, no atomics), and small beside x.
+
+Triton needs power-of-two block shapes, so a row of n features is loaded as a block of
+``next_power_of_2(n)`` columns with a masked load (padding reads 0) and a masked store;
+rows past the end of the array (the last partial block) are masked the same way and
+never enter the partial sums.
+
+``interpret=True`` runs the same kernel bodies on CPU in Pallas interpret mode (tests).
+
+Example (interpret mode, on CPU; FACTS.md's first worked example)::
+
+>>> import jax.numpy as jnp, numpy as np
+>>> from rmsnorm_jax.kernels._spec import KernelSpec
+>>> spec = KernelSpec(n=4, k=4, eps=0.0, inside=True, scale_offset=0.0,
+...                   has_scale=False, has_bias=False, out_dtype=np.dtype("float32"))
+>>> x = jnp.array([[1.0, 2.0, 3.0, 4.0], [-1.0, -2.0, -3.0, -4.0]])
+>>> y, stat, h = forward(spec, x, None, None, interpret=True)
+>>> [[round(float(v), 4) for v in row] for row in y]
+[[0.3651, 0.7303, 1.0954, 1.4606], [-0.3651, -0.7303, -1.0954, -1.4606]]
+>>> round(float(1 / stat[0] ** 2), 5)   # the mean square: (1 + 4 + 9 + 16) / 4
+7.5
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ._spec import (
+    KernelSpec,
+    input_grad,
+    inv_rms,
+    mean_square,
+    normalized,
+    out_struct,
+    stat_from_ms,
+)
+
+__all__ = [
+    "backward",
+    "backward_programs",
+    "default_block_rows",
+    "fits",
+    "forward",
+    "num_warps",
+    "padded_features",
+]
+
+_F32 = jnp.float32
+_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+# ---------------------------------------------------------------- block sizing
+#
+# A program holds its block of rows in registers, in float32 once loaded: the backward
+# keeps x, dy and the gain (scale + offset) live together, plus the dx temporaries.
+# Sizing targets 16 float32 elements per thread per array (a bfloat16 thread then loads
+# 32 bytes of x: two 16-byte vector loads), the shape of Triton's own LayerNorm tutorial
+# (a row per program, num_warps = block // 256, capped).
+#
+# - _BLOCK_ELEMENTS = 4096 elements per block: rows per block = 4096 // padded features
+#   (1 row for n >= 4096, 4 rows for n = 1000, 32 rows for n = 128), so short rows still
+#   give a program enough bytes in flight (16 KiB of float32 x per block).
+# - num_warps = elements / 512 (16 per thread), between 1 and 16: 8 warps for blocks of
+#   4096 (n <= 4096), 16 for one row padded to 8192 (n = 5120 or 8192).
+# - _MAX_FEATURES = 8192. Measured with ptxas -v (sm_90a) on the PTX of a deviceless
+#   H100 compile, jax 0.10.2, blocks as above, 128 MiB inputs so the backward loops: the
+#   backward uses 97-128 registers per thread and spills nothing for n from 128 to 8192
+#   (float32, bfloat16, float16, with bias and residual); at n = 16384 (one row, 16
+#   warps, 32 float32 values per thread per array) it reaches the 128-register limit of
+#   512 threads and spills 204-2056 bytes per thread (2056 for float32 with bias and dh);
+#   with 32 warps (64 registers each) it still spills. The forward never spills (40-115
+#   registers). The working set is float32 whatever the input dtype, so the limit is the
+#   same for every dtype. Wider rows stay on XLA (``fits`` is False) until a kernel for
+#   them is measured faster.
+# - The backward's programs: _SMS (132, H100 SXM) times the programs that fill
+#   _RESIDENT_WARPS (16) warps per SM: 264 programs of 8 warps (n <= 4096), 132 of 16
+#   (n = 5120 or 8192). That is exactly what fits at once: a backward program of 256
+#   threads uses about 127 registers (2 programs per SM's 65536 registers), one of 512
+#   threads 128 (1 per SM), so every program starts in the first wave and none waits for
+#   another to finish. Fewer programs also mean fewer partial rows to write and sum
+#   (264 x 4096 float32 is 4 MiB, against 64 MiB of x for 8192 x 4096 bfloat16). Where
+#   that would leave a program fewer than _MIN_ROWS_PER_PROGRAM (8) rows, programs drop
+#   towards one per SM (not below): 1024 rows of 4096 (a data-parallel shard of 8192 over
+#   8 GPUs) get 132 programs, whose partials (2 MiB, likely L2-resident) are a quarter of
+#   x's 8 MiB instead of half. The
+#   issue's Triton prototype of this design ran at 1.09-1.15x a 3-move copy. Not timed
+#   on hardware (no GPU where this was written): measure before changing.
+#
+# Nothing here is autotuned; ``block_rows`` and ``programs`` can be overridden per call.
+
+_BLOCK_ELEMENTS = 4096
+_ELEMENTS_PER_THREAD = 16
+_MAX_WARPS = 16
+_MAX_FEATURES = 8192
+_SMS = 132
+_RESIDENT_WARPS = 16
+_MIN_ROWS_PER_PROGRAM = 8
+# Interpret mode copies the whole array for every block it loads (CPU tests), so there
+# blocks grow until a call has at most this many.
+_INTERPRET_MAX_BLOCKS = 64
+
+
+def padded_features(n: int) -> int:
+    """The block's columns: n rounded up to a power of two (at least 16)."""
+    return max(16, pl.next_power_of_2(n))
+
+
+def default_block_rows(n: int, rows: int) -> int:
+    """Rows per block: ``_BLOCK_ELEMENTS // padded_features(n)``, at least 1, and no
+    more than ``rows`` rounded up to a power of two (a 3-row call gets blocks of 4)."""
+    per_block = max(1, _BLOCK_ELEMENTS // padded_features(n))
+    return min(per_block, pl.next_power_of_2(max(rows, 1)))
+
+
+def num_warps(n: int, rows_per_block: int) -> int:
+    """Warps per program: 16 float32 elements per thread, between 1 and 16 warps."""
+    elements = rows_per_block * padded_features(n)
+    return int(min(max(elements // (32 * _ELEMENTS_PER_THREAD), 1), _MAX_WARPS))
+
+
+def backward_programs(n: int, rows: int, rows_per_block: int) -> int:
+    """The backward's persistent programs: enough for ``_RESIDENT_WARPS`` warps per SM
+    of an H100 (132 SMs), fewer (down to one per SM) where a program would get fewer
+    than 8 rows, and at most one per row block."""
+    per_sm = max(1, _RESIDENT_WARPS // num_warps(n, rows_per_block))
+    enough_rows = max(_SMS, pl.cdiv(rows, _MIN_ROWS_PER_PROGRAM))
+    return max(1, min(pl.cdiv(rows, rows_per_block), _SMS * per_sm, enough_rows))
+
+
+def fits(spec: KernelSpec, rows: int, x_dtype) -> bool:
+    """Whether these kernels take the call: float32, bfloat16 or float16 input and
+    output, at least one row, and at most 8192 features (see the block sizing above:
+    wider rows spill registers in the backward, so they stay on XLA).
+
+    >>> import numpy as np
+    >>> spec = KernelSpec(n=16384, k=16384, eps=1e-6, inside=True, scale_offset=0.0,
+    ...                   has_scale=True, has_bias=False, out_dtype=np.dtype("float32"))
+    >>> fits(spec, 8, np.float32)
+    False
+    """
+    return (
+        np.dtype(x_dtype) in _DTYPES
+        and np.dtype(spec.out_dtype) in _DTYPES
+        and 1 <= spec.k <= spec.n <= _MAX_FEATURES
+        and 1 <= rows < 2**31
+    )
+
+
+def _sizes(spec: KernelSpec, rows: int, rows_per_block, interpret: bool) -> tuple[int, int]:
+    """(padded features, rows per block) of a call."""
+    npad = padded_features(spec.n)
+    if rows_per_block is None:
+        rows_per_block = default_block_rows(spec.n, rows)
+        if interpret:
+            while pl.cdiv(rows, rows_per_block) > _INTERPRET_MAX_BLOCKS:
+                rows_per_block *= 2
+    elif rows_per_block < 1 or rows_per_block & (rows_per_block - 1):
+        raise ValueError(
+            f"block_rows must be a positive power of two (Triton's block shapes are), got "
+            f"{rows_per_block}; pass e.g. {pl.next_power_of_2(max(rows_per_block, 1))}, or "
+            f"None for the default sizing."
+        )
+    return npad, rows_per_block
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def _check_rows(name: str, a, spec: KernelSpec, rows: int | None = None) -> None:
+    if a.ndim != 2 or a.shape[1] != spec.n or (rows is not None and a.shape[0] != rows):
+        want = f"({'rows' if rows is None else rows}, {spec.n})"
+        raise ValueError(
+            f"{name} must have shape {want} (rows of spec.n = {spec.n} features), got "
+            f"{a.shape}; reshape it to (-1, {spec.n}) first."
+        )
+    if np.dtype(a.dtype) not in _DTYPES:
+        raise TypeError(
+            f"{name} has dtype {a.dtype}; the GPU kernels take float32, bfloat16 or "
+            f"float16 (use implementation='xla' for other dtypes)."
+        )
+
+
+def _check_param(name: str, a, present: bool, spec: KernelSpec) -> None:
+    flag = f"spec.has_{name}"
+    if present and a is None:
+        raise ValueError(f"{name} is None but {flag} is True; pass the {name} or fix the spec.")
+    if not present and a is not None:
+        raise ValueError(f"{name} was given but {flag} is False; pass None or fix the spec.")
+    if a is not None and a.shape != (spec.n,):
+        raise ValueError(
+            f"{name} must have shape ({spec.n},), got {a.shape}; reshape it to ({spec.n},)."
+        )
+
+
+def _check_out_dtype(name: str, dtype) -> np.dtype:
+    if dtype is None or np.dtype(dtype) not in _DTYPES:
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16 for the GPU kernels, got {dtype} "
+            f"(use implementation='xla' for other dtypes)."
+        )
+    return np.dtype(dtype)
+
+
+# ---------------------------------------------------------------- kernel bodies
+
+
+def _block(ref, r0, rows_per_block: int, npad: int):
+    """The (rows_per_block, npad) window of a (rows, n) ref starting at row r0."""
+    return ref.at[pl.ds(r0, rows_per_block), pl.ds(0, npad)]
+
+
+def _forward_kernel(*refs, spec, rows, rows_per_block, npad, has_residual, interpret):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    res_ref = refs.pop(0) if has_residual else None
+    scale_ref = refs.pop(0) if spec.has_scale else None
+    bias_ref = refs.pop(0) if spec.has_bias else None
+    y_ref, stat_ref, *h_ref = refs
+
+    r0 = pl.program_id(0) * rows_per_block
+    row_ok = (r0 + jnp.arange(rows_per_block)) < rows
+    cols = jnp.arange(npad)
+    col_ok = cols < spec.n
+    col = cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+
+    x = plgpu.load(_block(x_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
+    if has_residual:
+        (h_ref,) = h_ref
+        res = plgpu.load(_block(res_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
+        h = x.astype(h_ref.dtype) + res.astype(h_ref.dtype)
+        plgpu.store(_block(h_ref, r0, rows_per_block, npad), h, mask=mask)
+        x = h
+    xf = x.astype(_F32)
+    if has_residual and interpret and xf.dtype != h_ref.dtype:
+        # Triton rounds h to h_dtype before it is widened again, so the statistic is
+        # that of the h written (the backward's residual). Interpret mode runs this body
+        # as XLA ops, and XLA may keep the sum in float32 instead (excess precision:
+        # seen on XLA:CPU, stat off by 2e-4 relative for bfloat16); reduce_precision
+        # (which Triton has no lowering for) pins the rounding there.
+        info = jnp.finfo(h_ref.dtype)
+        xf = jax.lax.reduce_precision(xf, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+    def vector(ref):
+        if ref is None:
+            return None
+        return plgpu.load(ref.at[pl.ds(0, npad)], mask=col_ok, other=0.0).astype(_F32)
+
+    stat = stat_from_ms(spec, mean_square(spec, xf, col))
+    y = normalized(spec, xf, stat, vector(scale_ref), vector(bias_ref))
+    plgpu.store(_block(y_ref, r0, rows_per_block, npad), y.astype(y_ref.dtype), mask=mask)
+    plgpu.store(stat_ref.at[pl.ds(r0, rows_per_block)], stat.reshape(-1), mask=row_ok)
+
+
+def _backward_kernel(*refs, spec, rows, rows_per_block, npad, programs, steps, has_dh):
+    refs = list(refs)
+    x_ref, dy_ref, stat_ref = refs[:3]
+    del refs[:3]
+    scale_ref = refs.pop(0) if spec.has_scale else None
+    dh_ref = refs.pop(0) if has_dh else None
+    dx_ref = refs.pop(0)
+    dscale_ref = refs.pop(0) if spec.has_scale else None
+    dbias_ref = refs.pop(0) if spec.has_bias else None
+
+    program = pl.program_id(0)
+    cols = jnp.arange(npad)
+    col_ok = cols < spec.n
+    col = cols[None, :]
+    scale_f = None
+    if scale_ref is not None:
+        scale_f = plgpu.load(scale_ref.at[pl.ds(0, npad)], mask=col_ok, other=0.0)
+        scale_f = scale_f.astype(_F32)[None, :]
+
+    def step(i, sums):
+        # Row block program + i * programs: consecutive programs read neighbouring rows.
+        r0 = (program + i * programs) * rows_per_block
+        row_ok = (r0 + jnp.arange(rows_per_block)) < rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        xf = plgpu.load(_block(x_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
+        dyf = plgpu.load(_block(dy_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
+        xf, dyf = xf.astype(_F32), dyf.astype(_F32)
+        # Rows past the end read a statistic of 1: finite for every eps placement.
+        stat = plgpu.load(stat_ref.at[pl.ds(r0, rows_per_block)], mask=row_ok, other=1.0)
+        stat = stat[:, None]
+        dx = input_grad(spec, xf, dyf, stat, scale_f, col)
+        if dh_ref is not None:
+            dh = plgpu.load(_block(dh_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
+            dx = dx + dh.astype(_F32)
+        plgpu.store(_block(dx_ref, r0, rows_per_block, npad), dx.astype(dx_ref.dtype), mask=mask)
+        dscale_sum, dbias_sum = sums
+        # The masks keep the rows past the end out of the sums even where the
+        # statistic's formula gives inf or nan (eps = 0 with "outside").
+        if dscale_sum is not None:
+            dyhat = jnp.where(mask, dyf * (xf * inv_rms(spec, stat)), 0.0)
+            dscale_sum = dscale_sum + jnp.sum(dyhat, axis=0)
+        if dbias_sum is not None:
+            dbias_sum = dbias_sum + jnp.sum(jnp.where(mask, dyf, 0.0), axis=0)
+        return dscale_sum, dbias_sum
+
+    zeros = jnp.zeros((npad,), _F32)
+    init = (zeros if spec.has_scale else None, zeros if spec.has_bias else None)
+    dscale_sum, dbias_sum = jax.lax.fori_loop(0, steps, step, init)
+    for ref, total in ((dscale_ref, dscale_sum), (dbias_ref, dbias_sum)):
+        if ref is not None:
+            plgpu.store(ref.at[program, pl.ds(0, npad)], total, mask=col_ok)
+
+
+# ---------------------------------------------------------------- the calls
+
+
+def forward(
+    spec: KernelSpec,
+    x: jax.Array,
+    scale: jax.Array | None,
+    bias: jax.Array | None,
+    residual: jax.Array | None = None,
+    *,
+    h_dtype=None,
+    interpret: bool = False,
+    block_rows: int | None = None,
+):
+    """One pass: ``(y, stat, h)`` of rows ``x`` (``_spec.py``'s contract).
+
+    Arguments:
+      spec: the static description of the call (n, k, eps, placement, offset, dtypes).
+      x: (rows, n) float32, bfloat16 or float16.
+      scale, bias: (n,) in any of those dtypes, or None (as ``spec`` says).
+      residual: (rows, n) or None. Given, ``h = x.astype(h_dtype) + residual.astype(h_dtype)``
+        is written and normalized (``add_rms_norm``).
+      h_dtype: dtype of h; required with ``residual``.
+      interpret: run in Pallas interpret mode (CPU; tests).
+      block_rows: rows per program (a power of two); None for the default sizing.
+
+    Returns:
+      y (rows, n) in ``spec.out_dtype``; stat (rows,) float32, rsqrt(ms + eps) for
+      "inside" or sqrt(ms) for "outside"; h (rows, n) in ``h_dtype``, or None.
+    """
+    _check_rows("x", x, spec)
+    rows = x.shape[0]
+    if residual is not None:
+        _check_rows("residual", residual, spec, rows)
+        h_dtype = _check_out_dtype("h_dtype", h_dtype)
+    _check_param("scale", scale, spec.has_scale, spec)
+    _check_param("bias", bias, spec.has_bias, spec)
+    out_dtype = _check_out_dtype("spec.out_dtype", spec.out_dtype)
+    npad, rows_per_block = _sizes(spec, rows, block_rows, interpret)
+
+    inputs = [a for a in (x, residual, scale, bias) if a is not None]
+    out_shape = [out_struct((rows, spec.n), out_dtype, x), out_struct((rows,), _F32, x)]
+    if residual is not None:
+        out_shape.append(out_struct((rows, spec.n), h_dtype, x))
+    kernel = functools.partial(
+        _forward_kernel,
+        spec=spec,
+        rows=rows,
+        rows_per_block=rows_per_block,
+        npad=npad,
+        has_residual=residual is not None,
+        interpret=interpret,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(pl.cdiv(rows, rows_per_block),),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps(spec.n, rows_per_block)),
+        interpret=interpret,
+        name="rms_norm_forward",
+    )(*inputs)
+    y, stat, *h = outs
+    return y, stat, (h[0] if h else None)
+
+
+def backward(
+    spec: KernelSpec,
+    x: jax.Array,
+    dy: jax.Array,
+    stat: jax.Array,
+    scale: jax.Array | None,
+    dh: jax.Array | None = None,
+    *,
+    dx_dtype,
+    interpret: bool = False,
+    block_rows: int | None = None,
+    programs: int | None = None,
+):
+    """One pass: ``(dx, dscale_partials, dbias_partials)`` (``_spec.py``'s contract).
+
+    ``dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j x_j r`` with
+    ``gdy = (scale + offset) * dy`` (``_spec.input_grad``), plus ``dh`` when given.
+
+    Arguments:
+      spec: the static description of the call.
+      x: (rows, n), the normalized rows (h for ``add_rms_norm``).
+      dy: (rows, n), the cotangent of y. stat: (rows,) float32, the forward's statistic.
+      scale: (n,) or None. dh: (rows, n) or None, added to dx.
+      dx_dtype: dtype of dx (float32, bfloat16 or float16).
+      interpret: run in Pallas interpret mode (CPU; tests).
+      block_rows: rows per block (a power of two); None for the default sizing.
+      programs: the persistent grid's size; None for :func:`backward_programs`.
+
+    Returns:
+      dx (rows, n) in ``dx_dtype``; dscale_partials and dbias_partials (programs, n)
+      float32, the sums of dy * xhat and of dy over each program's rows (None where
+      ``spec`` has no scale / bias); their sum over axis 0 is the gradient.
+    """
+    _check_rows("x", x, spec)
+    rows = x.shape[0]
+    _check_rows("dy", dy, spec, rows)
+    if dh is not None:
+        _check_rows("dh", dh, spec, rows)
+    if stat.shape != (rows,):
+        raise ValueError(
+            f"stat must have shape ({rows},) (one float32 per row), got {stat.shape}; "
+            f"pass the forward's stat reshaped to ({rows},)."
+        )
+    _check_param("scale", scale, spec.has_scale, spec)
+    dx_dtype = _check_out_dtype("dx_dtype", dx_dtype)
+    npad, rows_per_block = _sizes(spec, rows, block_rows, interpret)
+    blocks = pl.cdiv(rows, rows_per_block)
+    if programs is None:
+        programs = backward_programs(spec.n, rows, rows_per_block)
+    elif not 1 <= programs <= blocks:
+        raise ValueError(
+            f"programs must be between 1 and the {blocks} row blocks of this call, got "
+            f"{programs}; pass None for the default."
+        )
+
+    inputs = [a for a in (x, dy, stat.astype(_F32), scale, dh) if a is not None]
+    out_shape = [out_struct((rows, spec.n), dx_dtype, x)]
+    partials = out_struct((programs, spec.n), _F32, x)
+    out_shape += [partials] * (int(spec.has_scale) + int(spec.has_bias))
+    kernel = functools.partial(
+        _backward_kernel,
+        spec=spec,
+        rows=rows,
+        rows_per_block=rows_per_block,
+        npad=npad,
+        programs=programs,
+        steps=math.ceil(blocks / programs),
+        has_dh=dh is not None,
+    )
+    dx, *sums = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(programs,),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps(spec.n, rows_per_block)),
+        interpret=interpret,
+        name="rms_norm_backward",
+    )(*inputs)
+    it = iter(sums)
+    dscale = next(it) if spec.has_scale else None
+    dbias = next(it) if spec.has_bias else None
+    return dx, dscale, dbias

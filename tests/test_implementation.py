@@ -1,0 +1,256 @@
+"""``implementation=``: which path computes a call, and the fused kernels through the public API.
+
+On CPU ``"pallas"`` runs the GPU kernels in Pallas interpret mode; every result is
+checked against the float64 oracle (the plain formula under ``jax.grad``). The dispatch
+(what fits the kernels, ``"auto"``), the row-local calls under sharded ``jit`` and
+``shard_map``, ``vmap``, remat names and the refusal of grad-of-grad are checked here;
+the kernels' own numerics in ``test_kernels_gpu.py`` and ``test_kernels_tpu.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import rmsnorm_jax
+from rmsnorm_jax import add_rms_norm, gated_rms_norm, kernels, rms_norm
+from rmsnorm_jax._functional import _norm_config
+from rmsnorm_jax.reference import rms_norm_reference
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def _inputs(shape, dtype, seed=0):
+    kx, ks, kb, kr, kd = jax.random.split(jax.random.key(seed), 5)
+    n = shape[-1]
+    x = jax.random.normal(kx, shape, jnp.float32).astype(dtype)
+    scale = 1 + 0.2 * jax.random.normal(ks, (n,), jnp.float32)
+    bias = 0.1 * jax.random.normal(kb, (n,), jnp.float32)
+    other = jax.random.normal(kr, shape, jnp.float32).astype(dtype)
+    dy = jax.random.normal(kd, shape, jnp.float32)
+    return x, scale, bias, other, dy
+
+
+def _oracle_vjp(fn, args, dy):
+    """Value and gradients of ``fn`` in float64 (the independent oracle)."""
+    with jax.enable_x64(True):
+        args64 = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+        out, vjp = jax.vjp(fn, *args64)
+        cts = jax.tree.map(lambda o: jnp.asarray(np.asarray(dy, np.float64)), out)
+        return jax.tree.map(np.asarray, (out, vjp(cts)))
+
+
+def _close(got, want, tol):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
+        scale = max(1.0, float(np.max(np.abs(w))))
+        np.testing.assert_allclose(g, w, atol=tol * scale, rtol=tol)
+
+
+# ---------------------------------------------------------------- the dispatch
+
+
+def test_unknown_implementation_names_the_choices():
+    x = jnp.ones((2, 8))
+    for fn in (
+        lambda: rms_norm(x, implementation="triton"),
+        lambda: add_rms_norm(x, x, implementation="cuda"),
+        lambda: gated_rms_norm(x, x, implementation=None),
+    ):
+        with pytest.raises(ValueError, match=r"implementation must be one of .*'pallas'"):
+            fn()
+
+
+def test_auto_is_the_xla_path_until_a_measurement_says_otherwise():
+    assert kernels.MEASURED == ()  # nothing measured on hardware yet
+    x, scale, *_ = _inputs((4, 128), jnp.bfloat16)
+
+    def jaxpr(impl):
+        return str(
+            jax.make_jaxpr(jax.grad(lambda x: rms_norm(x, scale, implementation=impl).sum()))(x)
+        )
+
+    assert jaxpr("auto") == jaxpr("xla")
+    assert "pallas_call" not in jaxpr("auto")
+
+
+def _spec(shape=(4, 64), dtype=jnp.float32, **kw):
+    args = dict(scale=None, eps=1e-6, bias=None, axis=-1, p=1.0, scale_offset=0.0)
+    args.update(eps_placement="inside", dtype=None, axis_name=None, mask=None)
+    args.update(kw)
+    cfg, scale, bias, mask = _norm_config(shape, dtype, **args)
+    return kernels.use_kernels("pallas", cfg, jnp.zeros(shape, dtype), scale, bias, mask)
+
+
+def test_what_the_kernels_take_and_what_stays_on_xla():
+    n = 64
+    assert _spec() is not None
+    assert _spec((2, 3, n), jnp.bfloat16, scale=jnp.ones(n), bias=jnp.ones(n), p=0.25).k == 16
+    assert _spec(scale=jnp.ones((1, n))) is not None  # a Module's broadcast-shaped scale
+    # XLA: a mask, several axes, an axis other than the last, float64, a scale per row.
+    assert _spec(mask=jnp.ones((4, n), bool)) is None
+    assert _spec((4, 8, 8), axis=(1, 2)) is None
+    assert _spec((4, n), axis=0) is None
+    assert _spec(scale=jnp.ones((4, n))) is None
+    with jax.enable_x64(True):
+        assert _spec(dtype=jnp.float64) is None
+
+
+# ---------------------------------------------------------------- numerics through the API
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_pallas_matches_the_float64_oracle(dtype):
+    x, scale, bias, _, dy = _inputs((3, 5, 100), dtype)
+    kw = dict(p=0.07, scale_offset=1.0)
+
+    def ours(x, scale, bias):
+        return rms_norm(x, scale, 1e-5, bias=bias, implementation="pallas", **kw)
+
+    def oracle(x, scale, bias):
+        return rms_norm_reference(x, scale, 1e-5, bias=bias, **kw)
+
+    y, vjp = jax.vjp(ours, x, scale, bias)
+    assert y.dtype == jnp.float32 and y.shape == x.shape  # promotes with the f32 scale
+    got = (y, vjp(dy.astype(y.dtype)))
+    want = _oracle_vjp(oracle, (x, scale, bias), dy)
+    _close(got, want, TOL[dtype])
+    assert [g.dtype for g in got[1]] == [x.dtype, scale.dtype, bias.dtype]
+
+
+def test_rms_norm_pallas_outside_eps_and_no_scale():
+    x, *_, dy = _inputs((6, 48), jnp.float32)
+    x = x.at[2].set(0.0)  # an all-zero row: the "outside" backward's limit
+    got_y, vjp = jax.vjp(
+        lambda x: rms_norm(x, None, 1e-3, eps_placement="outside", implementation="pallas"), x
+    )
+    want_y, (want_dx,) = _oracle_vjp(
+        lambda x: rms_norm_reference(x, None, 1e-3, eps_placement="outside"), (x,), dy
+    )
+    got_dx = vjp(dy)[0]
+    rest = np.arange(6) != 2  # autodiff of sqrt at 0 is NaN there; the limit is known:
+    _close((got_y, got_dx[rest]), (want_y, want_dx[rest]), 2e-5)
+    np.testing.assert_allclose(got_dx[2], dy[2] / 1e-3, rtol=1e-6)  # r = 1/eps, no cross term
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32)])
+def test_add_rms_norm_pallas_matches_the_float64_oracle(dtypes):
+    x_dtype, stream_dtype = dtypes
+    x, scale, bias, stream, dy = _inputs((2, 7, 256), x_dtype, seed=1)
+    stream = stream.astype(stream_dtype)
+
+    def ours(x, stream, scale, bias):
+        return add_rms_norm(x, stream, scale, bias=bias, implementation="pallas")
+
+    def oracle(x, stream, scale, bias):
+        h = x + stream
+        return rms_norm_reference(h, scale, 1e-6, bias=bias), h
+
+    (y, h), vjp = jax.vjp(ours, x, stream, scale, bias)
+    assert h.dtype == stream_dtype
+    grads = vjp((dy.astype(y.dtype), dy.astype(h.dtype)))
+    want = _oracle_vjp(oracle, (x, stream, scale, bias), dy)
+    _close(((y, h), grads), want, TOL[x_dtype])
+    assert [g.dtype for g in grads] == [x_dtype, stream_dtype, jnp.float32, jnp.float32]
+
+
+def test_module_field_selects_the_kernels():
+    x, *_ = _inputs((2, 4, 64), jnp.float32)
+    layer = rmsnorm_jax.RMSNorm(implementation="pallas", scale_offset=1.0)
+    variables = layer.init(jax.random.key(0), x)
+    variables = jax.tree.map(lambda s: s + 0.3, variables)
+    jaxpr = str(jax.make_jaxpr(lambda v: layer.apply(v, x))(variables))
+    assert "pallas_call" in jaxpr
+    want = rms_norm_reference(x, variables["params"]["scale"] + 1.0, 1e-6)
+    np.testing.assert_allclose(layer.apply(variables, x), want, atol=2e-5)
+    with pytest.raises(ValueError, match="implementation"):
+        rmsnorm_jax.RMSNorm(implementation="fast").init(jax.random.key(0), x)
+
+
+# ---------------------------------------------------------------- transformations
+
+
+def test_vmap_remat_and_no_second_derivative():
+    x, scale, *_, dy = _inputs((4, 6, 64), jnp.float32)
+
+    def loss(impl):
+        return lambda x, s: jnp.sum(rms_norm(x, s, implementation=impl) * dy[0])
+
+    want = jax.vmap(jax.grad(loss("xla"), (0, 1)), (0, None))(x, scale)
+    got = jax.vmap(jax.grad(loss("pallas"), (0, 1)), (0, None))(x, scale)
+    _close(got, want, 2e-5)
+    # A scale per example: each example its own parameters.
+    scales = scale * jnp.arange(1.0, 5.0)[:, None]
+    want = jax.vmap(lambda x, s: rms_norm(x, s, implementation="xla"))(x, scales)
+    _close(jax.vmap(lambda x, s: rms_norm(x, s, implementation="pallas"))(x, scales), want, 2e-5)
+    # Remat that keeps only the statistic: the same gradients.
+    policy = jax.checkpoint_policies.save_only_these_names("rms_norm_stat")
+    remat = jax.checkpoint(loss("pallas"), policy=policy)
+    _close(jax.grad(remat, (0, 1))(x[0], scale), jax.grad(loss("xla"), (0, 1))(x[0], scale), 2e-5)
+    with pytest.raises(TypeError, match="implementation='xla'"):
+        jax.grad(lambda s: jnp.sum(jax.grad(loss("pallas"), 1)(x[0], s)))(scale)
+
+
+# ---------------------------------------------------------------- sharding (8 host devices)
+
+
+def _mesh(axis_type):
+    devices = np.array(jax.devices("cpu")[:8]).reshape(4, 2)
+    return jax.sharding.Mesh(devices, ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def _sharded_grads(x, scale, bias, dy):
+    def loss(x, scale, bias):
+        y = rms_norm(x, scale, bias=bias, p=0.5, implementation="pallas")
+        return jnp.sum(y * dy)
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+
+
+@pytest.mark.parametrize("spec", [P("data"), P("data", "model"), P(None, None, "model")])
+def test_sharded_jit_keeps_rows_local(spec):
+    """Automatic axes: each device normalizes its own rows; features split over 'model'
+    are gathered (a kernel needs whole rows); the parameter gradients are all-reduced."""
+    mesh = _mesh(jax.sharding.AxisType.Auto)
+    x, scale, bias, _, dy = _inputs((8, 4, 64), jnp.float32)
+    step = _sharded_grads(x, scale, bias, dy)
+    xs = jax.device_put(x, NamedSharding(mesh, spec))
+    got = step(xs, scale, bias)
+    want = jax.value_and_grad(
+        lambda x, s, b: jnp.sum(rms_norm(x, s, bias=b, p=0.5, implementation="xla") * dy),
+        (0, 1, 2),
+    )(x, scale, bias)
+    _close(got, want, 2e-5)
+    hlo = step.lower(xs, scale, bias).compile().as_text()
+    assert ("all-gather" in hlo) == (spec == P(None, None, "model"))
+    assert got[1][0].sharding.spec == spec
+
+
+def test_explicit_mesh_and_shard_map():
+    mesh = _mesh(jax.sharding.AxisType.Explicit)
+    x, scale, bias, _, dy = _inputs((8, 4, 64), jnp.float32)
+    want = jax.value_and_grad(
+        lambda x, s, b: jnp.sum(rms_norm(x, s, bias=b, p=0.5, implementation="xla") * dy),
+        (0, 1, 2),
+    )(x, scale, bias)
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+        got = _sharded_grads(x, scale, bias, dy)(xs, scale, bias)
+    _close(got, want, 2e-5)
+    assert got[1][0].sharding.spec == P("data", "model", None)
+
+    # Inside a user's shard_map the arrays are local already; a replicated scale's
+    # gradient is summed over the rows' axis.
+    def local(x, dy, scale, bias):
+        return jax.grad(
+            lambda x, s, b: jnp.sum(rms_norm(x, s, bias=b, p=0.5, implementation="pallas") * dy),
+            (0, 1, 2),
+        )(x, scale, bias)
+
+    auto = _mesh(jax.sharding.AxisType.Auto)
+    mapped = jax.shard_map(
+        local, mesh=auto, in_specs=(P("data"), P("data"), P(), P()), out_specs=(P("data"), P(), P())
+    )
+    _close(jax.jit(mapped)(x, dy, scale, bias), want[1], 2e-5)
