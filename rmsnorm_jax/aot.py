@@ -10,8 +10,9 @@ Install the compilers with ``pip install "rmsnorm_jax[aot]"`` and set
 ``JAX_PLATFORMS=cpu`` before jax is imported (otherwise the CUDA plugin tries to start
 a GPU, fails, and never registers).
 
-Targets, by name: ``cpu``; ``tpu-v4``, ``tpu-v5e``, ``tpu-v5p``, ``tpu-v6e``, each
-optionally with a topology (``tpu-v5e:2x4``, ``tpu-v5e:16x16``, ``tpu-v4:4x4x4``);
+Targets, by name: ``cpu``; ``tpu-v4``, ``tpu-v5e``, ``tpu-v5p``, ``tpu-v6e``, ``tpu7x``
+(Ironwood), each optionally with a topology (``tpu-v5e:2x4``, ``tpu-v5e:16x16``,
+``tpu-v4:4x4x4``, ``tpu7x:2x2x2``);
 ``h100``, ``a100``, optionally with a device count (``h100x8``: one host, 8 GPUs).
 
 Example (needs the ``aot`` extra, so not run as a doctest)::
@@ -47,12 +48,16 @@ from jax.sharding import Mesh, NamedSharding
 INSTALL = 'pip install "rmsnorm_jax[aot]"'
 
 # The default slice of each TPU generation and its HBM bandwidth per chip in bytes/s
-# (Google Cloud's published figures); libtpu's topology names.
+# (Google Cloud's published figures); libtpu's topology names. TPU7x (Ironwood) is
+# named as Google Cloud and libtpu name it. Its chip has two TensorCores that are two
+# devices (libtpu lists 8 for tpu7x:2x2x1, two per chip), each with its own half of
+# the HBM: one device has half the chip's 7.37 TB/s.
 _TPUS = {
     "tpu-v4": ("v4", "2x2x1", 1.228e12),
     "tpu-v5e": ("v5e", "2x2", 0.819e12),
     "tpu-v5p": ("v5p", "2x2x1", 2.765e12),
     "tpu-v6e": ("v6e", "2x2", 1.640e12),
+    "tpu7x": ("tpu7x", "2x2x1", 7.37e12 / 2),
 }
 # XLA's published GPU device descriptions (GpuTargetConfigProto, text form), shipped
 # in aot_targets/. The bandwidth is read from the file itself.

@@ -7,15 +7,19 @@ checked against the float64 oracle (the plain formula under ``jax.grad``). The d
 the kernels' own numerics in ``test_kernels_gpu.py`` and ``test_kernels_tpu.py``.
 """
 
+import contextlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import aot_target, multi_device_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rmsnorm_jax
-from rmsnorm_jax import add_rms_norm, gated_rms_norm, kernels, rms_norm
+from rmsnorm_jax import add_rms_norm, aot, gated_rms_norm, kernels, rms_norm
 from rmsnorm_jax._functional import _norm_config
 from rmsnorm_jax.reference import rms_norm_reference
 
@@ -196,11 +200,6 @@ def test_vmap_remat_and_no_second_derivative():
 # ---------------------------------------------------------------- sharding (8 host devices)
 
 
-def _mesh(axis_type):
-    devices = np.array(jax.devices("cpu")[:8]).reshape(4, 2)
-    return jax.sharding.Mesh(devices, ("data", "model"), axis_types=(axis_type,) * 2)
-
-
 def _sharded_grads(x, scale, bias, dy):
     def loss(x, scale, bias):
         y = rms_norm(x, scale, bias=bias, p=0.5, implementation="pallas")
@@ -213,31 +212,31 @@ def _sharded_grads(x, scale, bias, dy):
 def test_sharded_jit_keeps_rows_local(spec):
     """Automatic axes: each device normalizes its own rows; features split over 'model'
     are gathered (a kernel needs whole rows); the parameter gradients are all-reduced."""
-    mesh = _mesh(jax.sharding.AxisType.Auto)
-    x, scale, bias, _, dy = _inputs((8, 4, 64), jnp.float32)
-    step = _sharded_grads(x, scale, bias, dy)
-    xs = jax.device_put(x, NamedSharding(mesh, spec))
-    got = step(xs, scale, bias)
-    want = jax.value_and_grad(
-        lambda x, s, b: jnp.sum(rms_norm(x, s, bias=b, p=0.5, implementation="xla") * dy),
-        (0, 1, 2),
-    )(x, scale, bias)
+    with multi_device_mesh((4, 2), ("data", "model")) as mesh:
+        x, scale, bias, _, dy = _inputs((8, 4, 64), jnp.float32)
+        step = _sharded_grads(x, scale, bias, dy)
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        got = step(xs, scale, bias)
+        want = jax.value_and_grad(
+            lambda x, s, b: jnp.sum(rms_norm(x, s, bias=b, p=0.5, implementation="xla") * dy),
+            (0, 1, 2),
+        )(x, scale, bias)
+        hlo = step.lower(xs, scale, bias).compile().as_text()
     _close(got, want, 2e-5)
-    hlo = step.lower(xs, scale, bias).compile().as_text()
     assert ("all-gather" in hlo) == (spec == P(None, None, "model"))
     assert got[1][0].sharding.spec == spec
 
 
 def test_explicit_mesh_and_shard_map():
-    mesh = _mesh(jax.sharding.AxisType.Explicit)
-    x, scale, bias, _, dy = _inputs((8, 4, 64), jnp.float32)
-    want = jax.value_and_grad(
-        lambda x, s, b: jnp.sum(rms_norm(x, s, bias=b, p=0.5, implementation="xla") * dy),
-        (0, 1, 2),
-    )(x, scale, bias)
-    with jax.set_mesh(mesh):
-        xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
-        got = _sharded_grads(x, scale, bias, dy)(xs, scale, bias)
+    with multi_device_mesh((4, 2), ("data", "model"), "explicit") as mesh:
+        x, scale, bias, _, dy = _inputs((8, 4, 64), jnp.float32)
+        want = jax.value_and_grad(
+            lambda x, s, b: jnp.sum(rms_norm(x, s, bias=b, p=0.5, implementation="xla") * dy),
+            (0, 1, 2),
+        )(x, scale, bias)
+        with jax.set_mesh(mesh):
+            xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+            got = _sharded_grads(x, scale, bias, dy)(xs, scale, bias)
     _close(got, want, 2e-5)
     assert got[1][0].sharding.spec == P("data", "model", None)
 
@@ -249,8 +248,88 @@ def test_explicit_mesh_and_shard_map():
             (0, 1, 2),
         )(x, scale, bias)
 
-    auto = _mesh(jax.sharding.AxisType.Auto)
-    mapped = jax.shard_map(
-        local, mesh=auto, in_specs=(P("data"), P("data"), P(), P()), out_specs=(P("data"), P(), P())
-    )
-    _close(jax.jit(mapped)(x, dy, scale, bias), want[1], 2e-5)
+    with multi_device_mesh((4, 2), ("data", "model")) as auto:
+        mapped = jax.shard_map(
+            local,
+            mesh=auto,
+            in_specs=(P("data"), P("data"), P(), P()),
+            out_specs=(P("data"), P(), P()),
+        )
+        got = jax.jit(mapped)(x, dy, scale, bias)
+    _close(got, want[1], 2e-5)
+
+
+# ---------------------------------------------------------------- deviceless compiles
+
+_ENTRY_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*(.*?)\s+([\w-]+)\(")
+_PASS_THROUGH = {"parameter", "tuple", "get-tuple-element", "bitcast", "custom-call"}
+
+
+def _entry_ops(text: str, shape: tuple[int, int]) -> tuple[list[str], list[str]]:
+    """(custom-call lines, other ops) of the entry computation touching a rows x n array."""
+    entry = text[text.index("\nENTRY") :]
+    full = "[" + ",".join(map(str, shape)) + "]"
+    calls, others = [], []
+    for line in entry.splitlines()[1:]:
+        match = _ENTRY_OP.match(line)
+        if match is None or full not in line:
+            continue
+        op = match.group(2)
+        if op == "custom-call":
+            calls.append(line)
+        elif op not in _PASS_THROUGH:
+            others.append(f"{op}: {line.strip()[:160]}")
+    return calls, others
+
+
+def _norm_step(x, stream, scale, dy):
+    def loss(x, stream, scale):
+        y, h = add_rms_norm(x, stream, scale, implementation="pallas")
+        z = rms_norm(h, scale, p=0.25, implementation="pallas")
+        return jnp.sum(y.astype(jnp.float32) * dy) + jnp.sum(z.astype(jnp.float32) * dy)
+
+    return jax.grad(loss, (0, 1, 2))(x, stream, scale)
+
+
+@pytest.mark.parametrize("name, devices", [("h100x8", 8), ("tpu-v5e", 4), ("tpu7x", 8)])
+def test_sharded_programs_run_the_kernels_on_local_rows(name, devices):
+    """Rows sharded over every device: each runs the kernels on its own rows, and no
+    other pass over a full-size array remains (GPU: automatic axes, custom_partitioning;
+    TPU: explicit axes, shard_map: deviceless XLA:TPU has no custom-partitioning hook)."""
+    target = aot_target(name)
+    auto = target.platform == "cuda"
+    kind = jax.sharding.AxisType.Auto if auto else jax.sharding.AxisType.Explicit
+    mesh = jax.sharding.Mesh(np.array(target.devices), ("data",), axis_types=(kind,))
+    rows, n = devices * 1024, 2048
+    x = aot.struct((rows, n), jnp.bfloat16, mesh, P("data"))
+    stream = aot.struct((rows, n), jnp.float32, mesh, P("data"))
+    scale = aot.struct((n,), jnp.float32, mesh, P())
+    dy = aot.struct((rows, n), jnp.float32, mesh, P("data"))
+    with contextlib.nullcontext() if auto else jax.set_mesh(mesh):
+        text = target.compile(jax.jit(_norm_step), x, stream, scale, dy).as_text()
+    kernel = "__gpu$xla.gpu.triton" if target.platform == "cuda" else "tpu_custom_call"
+    calls, others = _entry_ops(text, (rows // devices, n))
+    assert len(calls) == 4 and all(kernel in c for c in calls)  # 2 forward, 2 backward
+    # Besides the kernels: one conversion (the float32 gradient the two inputs share, to
+    # x's bfloat16) and, on TPU, XLA's prefetches of an input into VMEM (memory space 1).
+    converts = [o for o in others if "convert" in o.split("=")[0]]
+    prefetches = [o for o in others if o.startswith(("copy-start", "copy-done"))]
+    assert all("S(1)" in o for o in prefetches if o.startswith("copy-start")), prefetches
+    assert len(converts) == 1 and len(others) == 1 + len(prefetches), others
+    assert "all-gather" not in text and not _entry_ops(text, (rows, n))[0]
+
+
+def test_h100_kernels_inside_a_checked_shard_map():
+    target = aot_target("h100x8")
+    mesh = jax.sharding.Mesh(np.array(target.devices), ("data",))
+    x = aot.struct((8 * 512, 1024), jnp.bfloat16, mesh, P("data"))
+    scale = aot.struct((1024,), jnp.float32, mesh, P())
+
+    def local(x, scale):
+        return jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, implementation="pallas")), (0, 1))(
+            x, scale
+        )
+
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
+    text = target.compile(jax.jit(mapped), x, scale).as_text()
+    assert text.count("__gpu$xla.gpu.triton") >= 2
