@@ -1,7 +1,8 @@
 """RMSNorm forward and forward+backward speed, and backward-pass memory, side by side.
 
     python benchmarks/bench.py            # full table (x of 32 MiB per shape)
-    python benchmarks/bench.py --quick    # smoke run, small shapes, 3 repeats
+    python benchmarks/bench.py --quick    # smoke run, small shapes, 3 repeats (written to a
+                                          # temporary directory unless --out is given)
 
 For each shape and dtype it times, in one process (ratios within one run are what
 count on a shared machine): ``rms_norm`` (p = 1 and p = 0.0625), the ``RMSNorm``
@@ -14,7 +15,9 @@ Reported: median time of N interleaved rounds after warm-up, effective GB/s by t
 ``../shared/FACTS.md`` (forward 2 bytes-per-element moves, forward+backward 5), the
 ratio to the baseline, the speed-up over ``flax.linen.RMSNorm``, and the bytes the
 backward pass keeps alive (``jax.vjp`` residuals) as a multiple of bytes(x). Writes
-``results.json``, ``results.md`` and ``results.png`` into ``--out``.
+``results.json``, ``results.md`` and ``results.png`` into ``--out`` (default
+``benchmarks/results/``; a ``--quick`` run writes to a new temporary directory instead, so
+that it never overwrites the committed results).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,17 +52,30 @@ from implementations import (
 )
 
 FEATURES = (256, 1024, 4096, 5120, 8192)
+RESULTS_DIR = Path(__file__).parent / "results"
 
 
-def time_calls(calls: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, float]:
-    """Median wall time in seconds of each call, after two warm-up calls of each.
+def output_dir(out: str | None, quick: bool, prefix: str = "bench") -> Path:
+    """Where a run writes: ``out`` if given; for a ``--quick`` run a new temporary
+    directory (a smoke run never overwrites the committed results); else ``results/``."""
+    if out is not None:
+        return Path(out)
+    if quick:
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}-quick-"))
+    return RESULTS_DIR
+
+
+def time_rounds(
+    calls: dict[str, tuple[Callable, tuple]], repeats: int, warmup: int = 2
+) -> dict[str, list[float]]:
+    """Wall times in seconds of each call, one per round, after ``warmup`` calls of each.
 
     The calls are interleaved, one of each per round, so that every implementation and
     its baseline see the same machine state (load from other processes, allocator and
     cache state) and the ratios within a round are fair on a shared, noisy machine.
     """
     for fn, args in calls.values():
-        for _ in range(2):
+        for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
@@ -66,7 +83,12 @@ def time_calls(calls: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[s
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def time_calls(calls: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, float]:
+    """Median wall time in seconds of each call over interleaved rounds (``time_rounds``)."""
+    return {name: statistics.median(t) for name, t in time_rounds(calls, repeats).items()}
 
 
 def residual_bytes(fn, x, scale) -> int:
@@ -299,8 +321,15 @@ def main(argv: list[str] | None = None):
         help="compare add_rms_norm and gated_rms_norm with their hand-written flax "
         "compositions instead (residual bytes; CPU time or the target's estimate)",
     )
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: benchmarks/results, or a new temporary directory "
+        "for --quick)",
+    )
     args = parser.parse_args(argv)
+    args.out = str(output_dir(args.out, args.quick))
+    print(f"writing to {args.out}", flush=True)
     if args.fused:
         return main_fused(args)
     if args.target != "cpu":

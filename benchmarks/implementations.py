@@ -1,7 +1,8 @@
 """The implementations the benchmarks compare, their baselines, and a train-step model.
 
-Shared by ``bench.py`` (XLA:CPU timings) and ``aot_bench.py`` (the TPU and GPU
-compilers' estimates), so both measure exactly the same programs.
+Shared by ``bench.py`` (XLA:CPU timings), ``aot_bench.py`` (the TPU and GPU compilers'
+estimates) and ``device_bench.py`` (device time on a GPU or TPU), so all three measure
+exactly the same programs.
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ def _mlp(y, p, mlp: str):
 
 
 def prenorm_stack_train_step(
-    norm: Callable | None, layers: int = 8, mlp: str = "swiglu", unroll: bool = False
+    norm: Callable | None,
+    layers: int = 8,
+    mlp: str = "swiglu",
+    unroll: bool = False,
+    remat_policy: Callable | None = None,
 ):
     """An SGD step of a stack of pre-norm residual blocks, ``lax.scan`` over the layers.
 
@@ -108,6 +113,10 @@ def prenorm_stack_train_step(
     ``norm=None``: every residual add fused into the next norm with ``add_rms_norm``.
     ``unroll``: unroll the scan, so that a compiler's cost estimate (which counts a loop
     body once) covers every layer.
+    ``remat_policy``: checkpoint each layer, ``jax.checkpoint(layer, policy=remat_policy)``;
+    with ``jax.checkpoint_policies.save_only_these_names("rms_norm_stat")`` the backward
+    pass keeps the scan's carry and each norm's float32 statistic per row, and recomputes
+    the rest of the layer's forward (below the ``x * scale`` floor, at a price in time).
 
     Returns ``(train_step, params_shapes)``: ``train_step(params, h) -> params`` and
     ``params_shapes(d, dtype)``, the parameters' ``ShapeDtypeStruct``s.
@@ -115,13 +124,16 @@ def prenorm_stack_train_step(
     if mlp not in MLPS:
         raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
 
+    def remat(layer):
+        return layer if remat_policy is None else jax.checkpoint(layer, policy=remat_policy)
+
     def loss(params, h):
         def layer(h, p):
             h = h + (norm(h, p["scale1"]) @ p["wv"]) @ p["wo"]
             h = h + _mlp(norm(h, p["scale2"]), p, mlp)
             return h, None
 
-        h, _ = jax.lax.scan(layer, h, params["layers"], unroll=unroll)
+        h, _ = jax.lax.scan(remat(layer), h, params["layers"], unroll=unroll)
         return jnp.mean(jnp.square(norm(h, params["final_scale"]).astype(jnp.float32)))
 
     def fused_loss(params, h):
@@ -133,7 +145,9 @@ def prenorm_stack_train_step(
             y, h = rmsnorm_jax.add_rms_norm((y @ p["wv"]) @ p["wo"], h, p["scale2"], EPS)
             return (h, _mlp(y, p, mlp)), None
 
-        (h, delta), _ = jax.lax.scan(layer, (h, jnp.zeros_like(h)), params["layers"], unroll=unroll)
+        (h, delta), _ = jax.lax.scan(
+            remat(layer), (h, jnp.zeros_like(h)), params["layers"], unroll=unroll
+        )
         y, _ = rmsnorm_jax.add_rms_norm(delta, h, params["final_scale"], EPS)
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 

@@ -1,8 +1,16 @@
-"""Small shared helpers for the tests: the float64 oracle and tolerances per dtype."""
+"""Small shared helpers for the tests: the float64 oracle, tolerances per dtype, the
+devices of multi-device tests (``multi_device_mesh``, ``devices_for``) and the skips of
+deviceless-compile tests (``aot_target``, ``requires_deviceless``)."""
+
+import contextlib
+import importlib.util
+import math
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from rmsnorm_jax.reference import rms_norm_reference
 
@@ -53,3 +61,122 @@ def assert_close(actual, expected, rtol, atol):
     np.testing.assert_allclose(
         np.asarray(actual, np.float64), expected, rtol=rtol, atol=atol * magnitude
     )
+
+
+# ---------------------------------------------------------------- several devices
+
+
+def select_devices(n: int, default_devices, cpu_devices):
+    """The ``n`` devices a multi-device test runs on, or None when there are too few.
+
+    The default backend's when it has ``n`` (eight host CPUs here, a TPU slice, a GPU
+    node); otherwise the host CPU backend's, which conftest.py gives eight devices beside
+    a single accelerator.
+    """
+    for devices in (default_devices, cpu_devices):
+        if len(devices) >= n:
+            return list(devices)[:n]
+    return None
+
+
+def host_cpu_devices() -> list:
+    """The host CPU backend's devices; empty where JAX_PLATFORMS leaves it out."""
+    try:
+        return jax.devices("cpu")
+    except RuntimeError:  # JAX_PLATFORMS names an accelerator alone
+        return []
+
+
+def devices_for(n: int) -> list:
+    """``n`` devices of one backend for a multi-device test, or skip naming what it needs."""
+    cpu = host_cpu_devices()
+    devices = select_devices(n, jax.devices(), cpu)
+    if devices is None:
+        fix = (
+            "leave JAX_PLATFORMS unset, or add cpu to it (JAX_PLATFORMS=cuda,cpu), for "
+            "conftest.py's 8 host CPU devices"
+            if not cpu
+            else f"ask for {n} host CPU devices in XLA_FLAGS "
+            f"(--xla_force_host_platform_device_count={n}; conftest.py's default is 8)"
+        )
+        pytest.skip(
+            f"needs {n} devices of one backend: the default backend "
+            f"({jax.default_backend()}) has {jax.device_count()} and the host CPU backend "
+            f"{len(cpu)} (JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}); {fix}"
+        )
+    return devices
+
+
+@contextlib.contextmanager
+def multi_device_mesh(axis_shapes, axis_names, axis_types: str = "auto"):
+    """A mesh over ``devices_for(prod(axis_shapes))``, and those devices' backend as the
+    default device while it is in use.
+
+    With the mesh on the host CPUs beside an accelerator, the test's inputs and its
+    single-device reference are then computed on the mesh's backend too, so that a
+    sharded result is compared with the same compiler's unsharded one. ``axis_types``:
+    ``"auto"`` (every axis ``AxisType.Auto``) or ``"explicit"`` (jax.make_mesh's default).
+    """
+    kinds = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+    if axis_types not in kinds:
+        raise ValueError(f"axis_types must be 'auto' or 'explicit', got {axis_types!r}")
+    devices = devices_for(math.prod(axis_shapes))
+    mesh = jax.make_mesh(
+        axis_shapes, axis_names, (kinds[axis_types],) * len(axis_shapes), devices=devices
+    )
+    with jax.default_device(devices[0]):
+        yield mesh
+
+
+# ---------------------------------------------------------------- deviceless compiles
+
+_COMPILERS = {"tpu": "libtpu", "cuda": "jax_plugins.xla_cuda12"}
+
+
+def deviceless_skip_reason(target_name: str) -> str | None:
+    """Why a deviceless compile for ``target_name`` cannot run in this process, or None.
+
+    ``rmsnorm_jax.aot`` needs ``JAX_PLATFORMS=cpu`` (set by conftest.py on a machine
+    without an accelerator) and the target's compiler (the ``aot`` extra).
+    """
+    base = target_name.split(":")[0]
+    if base == "cpu":
+        if host_cpu_devices():
+            return None
+        return "target 'cpu' needs the host CPU backend, left out by JAX_PLATFORMS=" + repr(
+            os.environ.get("JAX_PLATFORMS", "")
+        )
+    platform = "tpu" if base.startswith("tpu") else "cuda"
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms != "cpu":
+        return (
+            f"deviceless compile for {target_name!r} needs JAX_PLATFORMS=cpu (here "
+            f"{platforms!r}: an accelerator is in use); run JAX_PLATFORMS=cpu pytest ... "
+            f"on a machine with the compilers"
+        )
+    try:
+        found = importlib.util.find_spec(_COMPILERS[platform]) is not None
+    except ImportError:
+        found = False
+    if not found:
+        return (
+            f"deviceless compile for {target_name!r} needs the {platform.upper()} compiler "
+            f"({_COMPILERS[platform]} not found): pip install 'rmsnorm_jax[aot]'"
+        )
+    return None
+
+
+def requires_deviceless(*target_names: str):
+    """A skip mark for tests that compile for ``target_names`` without the device."""
+    reasons = [r for r in map(deviceless_skip_reason, target_names) if r]
+    return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "runs")
+
+
+def aot_target(name: str):
+    """``rmsnorm_jax.aot.get_target(name)``, or skip with the reason it cannot be built."""
+    reason = deviceless_skip_reason(name)
+    if reason:
+        pytest.skip(reason)
+    from rmsnorm_jax import aot
+
+    return aot.get_target(name)

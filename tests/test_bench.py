@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from helpers import requires_deviceless
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,6 +39,7 @@ def test_quick_run(tmp_path):
     assert "| features |" in (tmp_path / "results.md").read_text()
 
 
+@requires_deviceless("h100")
 def test_quick_run_for_an_accelerator(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
@@ -53,6 +56,7 @@ def test_quick_run_for_an_accelerator(tmp_path):
     assert "not a hardware timing" in summary and "| features |" in summary
 
 
+@requires_deviceless("h100")
 def test_quick_fused_run_on_cpu_and_h100(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
@@ -69,3 +73,20 @@ def test_quick_fused_run_on_cpu_and_h100(tmp_path):
             assert by_name[("flax RMSNorm + add", dtype)]["residual_x"] > 2.9
             assert by_name[("flax RMSNorm * silu", dtype)]["residual_x"] > 7.9
     assert (tmp_path / "fused.md").exists() and (tmp_path / "h100-fused.md").exists()
+
+
+def test_quick_runs_never_write_into_the_committed_results(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = ROOT / "benchmarks" / "results"
+    assert bench.output_dir(None, quick=False) == results
+    quick, again = bench.output_dir(None, quick=True), bench.output_dir(None, quick=True)
+    try:
+        assert quick.is_dir() and results.resolve() not in quick.resolve().parents
+        assert quick != again  # a new directory per run
+    finally:
+        quick.rmdir()
+        again.rmdir()
+    assert bench.output_dir(str(tmp_path), quick=True) == tmp_path

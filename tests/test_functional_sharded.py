@@ -1,23 +1,24 @@
 """rms_norm with the feature axis split across devices (shard_map, axis_name) and sharded jit.
 
-Eight host CPU devices (see conftest.py), a ("data", "model") = (4, 2) mesh.
+A ("data", "model") = (4, 2) mesh of eight devices: the default backend's, or beside a
+single accelerator the eight host CPU devices of conftest.py (helpers.multi_device_mesh).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, oracle_value_and_grads, tol
+from helpers import assert_close, devices_for, multi_device_mesh, oracle_value_and_grads, tol
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import rms_norm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def mesh():
-    assert jax.device_count() == 8, "conftest.py sets 8 host devices"
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with multi_device_mesh((4, 2), ("data", "model")) as mesh:
+        yield mesh
 
 
 def _data(shape=(8, 32), seed=0):
@@ -121,48 +122,49 @@ def test_partial_with_split_features_needs_one_axis(mesh):
 @pytest.mark.parametrize("p", [1.0, 0.25])
 def test_explicit_sharding_mesh(p):
     """jax.make_mesh's default (Explicit axes): sharded contractions need an out_sharding."""
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
-    assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
-    x, scale, bias, ct = _data((16, 64), seed=4)
+    with multi_device_mesh((4, 2), ("data", "model"), "explicit") as mesh:
+        assert set(mesh.axis_types) == {jax.sharding.AxisType.Explicit}
+        x, scale, bias, ct = _data((16, 64), seed=4)
 
-    def value_and_grads(x, scale, bias):
-        def loss(x, scale, bias):
-            return jnp.sum(rms_norm(x, scale, bias=bias, p=p) * ct)
+        def value_and_grads(x, scale, bias):
+            def loss(x, scale, bias):
+                return jnp.sum(rms_norm(x, scale, bias=bias, p=p) * ct)
 
-        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, scale, bias)
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, scale, bias)
 
-    expected = jax.jit(value_and_grads)(x, scale, bias)
-    place = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    with jax.set_mesh(mesh):
-        y = jax.jit(lambda x, s: rms_norm(x, s, p=p))(
-            place(x, P("data", "model")), place(scale, P("model"))
-        )
-        got = jax.jit(value_and_grads)(
-            place(x, P("data", "model")), place(scale, P("model")), place(bias, P())
-        )
-    assert y.sharding.spec == P("data", "model")
-    np.testing.assert_allclose(y, rms_norm(x, scale, p=p), rtol=1e-6, atol=1e-6)
-    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+        expected = jax.jit(value_and_grads)(x, scale, bias)
+        place = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+        with jax.set_mesh(mesh):
+            y = jax.jit(lambda x, s: rms_norm(x, s, p=p))(
+                place(x, P("data", "model")), place(scale, P("model"))
+            )
+            got = jax.jit(value_and_grads)(
+                place(x, P("data", "model")), place(scale, P("model")), place(bias, P())
+            )
+        assert y.sharding.spec == P("data", "model")
+        np.testing.assert_allclose(y, rms_norm(x, scale, p=p), rtol=1e-6, atol=1e-6)
+        for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("p", [1.0, 0.25])
 def test_pmap_with_features_split(p):
     """pmap over 4 devices, each holding a quarter of the features; gradient of the
     global loss taken per device (the backward's psum joins the cross terms)."""
-    x, scale, _, _ = _data((3, 16), seed=5)
-    joined = lambda a: a.swapaxes(0, 1).reshape(3, 16)
-    xs, ss = x.reshape(3, 4, 4).swapaxes(0, 1), scale.reshape(4, 4)  # device axis first
-    devices = jax.devices()[:4]
+    devices = devices_for(4)
+    with jax.default_device(devices[0]):
+        x, scale, _, _ = _data((3, 16), seed=5)
+        joined = lambda a: a.swapaxes(0, 1).reshape(3, 16)
+        xs, ss = x.reshape(3, 4, 4).swapaxes(0, 1), scale.reshape(4, 4)  # device axis first
 
-    def loss(norm):
-        return lambda x, s: jnp.sum(jnp.sin(norm(x, s)))
+        def loss(norm):
+            return lambda x, s: jnp.sum(jnp.sin(norm(x, s)))
 
-    sharded = lambda x, s: rms_norm(x, s, p=p, axis_name="d")
-    y = jax.pmap(sharded, axis_name="d", devices=devices)(xs, ss)
-    dx, ds = jax.pmap(jax.grad(loss(sharded), (0, 1)), axis_name="d", devices=devices)(xs, ss)
-    single = lambda x, s: rms_norm(x, s, p=p)
-    dx_ref, ds_ref = jax.grad(loss(single), (0, 1))(x, scale)
-    np.testing.assert_allclose(joined(y), single(x, scale), rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(joined(dx), dx_ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ds.reshape(16), ds_ref, rtol=1e-5, atol=1e-5)
+        sharded = lambda x, s: rms_norm(x, s, p=p, axis_name="d")
+        y = jax.pmap(sharded, axis_name="d", devices=devices)(xs, ss)
+        dx, ds = jax.pmap(jax.grad(loss(sharded), (0, 1)), axis_name="d", devices=devices)(xs, ss)
+        single = lambda x, s: rms_norm(x, s, p=p)
+        dx_ref, ds_ref = jax.grad(loss(single), (0, 1))(x, scale)
+        np.testing.assert_allclose(joined(y), single(x, scale), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(joined(dx), dx_ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ds.reshape(16), ds_ref, rtol=1e-5, atol=1e-5)

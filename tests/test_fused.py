@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, to64, tol
+from helpers import assert_close, multi_device_mesh, to64, tol
 from jax.test_util import check_grads
 
 from rmsnorm_jax import add_rms_norm, gated_rms_norm, rms_norm
@@ -228,24 +228,24 @@ def test_remat_policies_by_name(name):
 
 def test_add_with_features_split_over_a_mesh_axis():
     """shard_map, the features split over "model" (axis_name), the stream over "data"."""
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    ks = jax.random.split(jax.random.key(5), 5)
-    x, r = _normal(ks[0], (8, 32), jnp.float32, 2.0), _normal(ks[1], (8, 32), jnp.float32)
-    s, dy, dh = (
-        _normal(ks[2], (32,), jnp.float32, 0.2, 1.0),
-        _normal(ks[3], (8, 32), jnp.float32),
-        _normal(ks[4], (8, 32), jnp.float32),
-    )
-    spec = jax.P("data", "model")
-    mapped = jax.shard_map(
-        lambda x, r, s: add_rms_norm(x, r, s, axis_name="model"),
-        mesh=mesh,
-        in_specs=(spec, spec, jax.P("model")),
-        out_specs=(spec, spec),
-    )
-    got = _grads(mapped, (x, r, s), (dy, dh))
-    want = _grads(lambda x, r, s: add_rms_norm(x, r, s), (x, r, s), (dy, dh))
-    _compare(got, want, jnp.float32)
+    with multi_device_mesh((4, 2), ("data", "model")) as mesh:
+        ks = jax.random.split(jax.random.key(5), 5)
+        x, r = _normal(ks[0], (8, 32), jnp.float32, 2.0), _normal(ks[1], (8, 32), jnp.float32)
+        s, dy, dh = (
+            _normal(ks[2], (32,), jnp.float32, 0.2, 1.0),
+            _normal(ks[3], (8, 32), jnp.float32),
+            _normal(ks[4], (8, 32), jnp.float32),
+        )
+        spec = jax.P("data", "model")
+        mapped = jax.shard_map(
+            lambda x, r, s: add_rms_norm(x, r, s, axis_name="model"),
+            mesh=mesh,
+            in_specs=(spec, spec, jax.P("model")),
+            out_specs=(spec, spec),
+        )
+        got = _grads(mapped, (x, r, s), (dy, dh))
+        want = _grads(lambda x, r, s: add_rms_norm(x, r, s), (x, r, s), (dy, dh))
+        _compare(got, want, jnp.float32)
 
 
 def test_gated_groups_keep_a_scale_that_broadcasts_over_features(x64):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close, to64, tol
+from helpers import assert_close, multi_device_mesh, to64, tol
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -100,7 +100,8 @@ def _value_and_grads(fn, q, scale, ct):
 
 @pytest.fixture
 def mesh():
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with multi_device_mesh((4, 2), ("data", "model")) as mesh:
+        yield mesh
 
 
 def test_qk_norm_over_all_heads_sharded_jit(mesh):

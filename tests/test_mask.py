@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close, oracle_value_and_grads, tol
+from helpers import assert_close, multi_device_mesh, oracle_value_and_grads, tol
 from jax.test_util import check_grads
 
 import rmsnorm_jax
@@ -120,16 +120,16 @@ def test_bad_masks(kw, error, match):
 
 
 def test_mask_with_axis_name_raises():
-    mesh = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
-    mask = jnp.ones((4, 8), bool)
+    with multi_device_mesh((2,), ("model",)) as mesh:
+        mask = jnp.ones((4, 8), bool)
 
-    def fn(x):
-        return rms_norm(x, axis_name="model", mask=mask[:, :4])
+        def fn(x):
+            return rms_norm(x, axis_name="model", mask=mask[:, :4])
 
-    with pytest.raises(ValueError, match="mask with axis_name='model'"):
-        jax.shard_map(fn, mesh=mesh, in_specs=jax.P(None, "model"), out_specs=jax.P(None, "model"))(
-            jnp.ones((4, 8))
-        )
+        with pytest.raises(ValueError, match="mask with axis_name='model'"):
+            jax.shard_map(
+                fn, mesh=mesh, in_specs=jax.P(None, "model"), out_specs=jax.P(None, "model")
+            )(jnp.ones((4, 8)))
 
 
 # ---------------------------------------------------------------- the Modules against flax

@@ -1,10 +1,15 @@
-"""The linen Module on a ("data", "model") mesh of 8 host devices: sharded jit and shard_map."""
+"""The linen Module on a ("data", "model") mesh of 8 devices: sharded jit and shard_map.
+
+The default backend's devices, or beside a single accelerator the eight host CPU devices
+of conftest.py (helpers.multi_device_mesh).
+"""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import multi_device_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -13,9 +18,10 @@ import rmsnorm_jax
 RULES = (("batch", "data"), ("embed", "model"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def mesh():
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with multi_device_mesh((4, 2), ("data", "model")) as mesh:
+        yield mesh
 
 
 def _setup(p):
