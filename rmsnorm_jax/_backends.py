@@ -56,6 +56,51 @@ def on_gpu(operands, gpu, default):
     return lax.platform_dependent(operands, cuda=gpu, rocm=gpu, default=default)
 
 
+def on_backend(operands, *, gpu, tpu, default):
+    """``gpu``, ``tpu`` or ``default`` applied to ``operands``, by the platform lowered for."""
+    return lax.platform_dependent(operands, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+
+
+def offset_scaled(a: jax.Array, factor: jax.Array, offset: float) -> jax.Array:
+    """``a * (factor + offset)``; on GPU written ``a * factor + a * offset``.
+
+    On GPU the offset is applied to the product so that no ``factor + offset`` exists
+    as a value of its own. Written ``a * (factor + 1)``, XLA:GPU computes
+    ``scale + 1`` once per use as a small kernel (f32[640]) beside the big fused ones:
+    in the Gemma-3-style train step (``benchmarks/gemma.py``, 18 blocks, H100) 4 such
+    kernels per block and one per QK-norm: 1885 kernels in all against 1794 with this
+    form (Gemma's own norm: 1723; batch 8 x 1024). On TPU the distributed form costs
+    cycles (issue 20), and XLA:CPU gains nothing, so
+    both keep ``a * (factor + offset)``.
+    """
+
+    def gpu(operands):
+        a, factor = operands
+        return a * factor + (a if offset == 1 else a * offset)
+
+    def default(operands):
+        a, factor = operands
+        return a * (factor + offset)
+
+    return on_gpu((a, factor), gpu=gpu, default=default)
+
+
+def tpu_column_sum(prod: jax.Array, keep: tuple[int, ...]) -> jax.Array:
+    """``sum(prod)`` over the axes not in ``keep`` (size-1 dims kept): for TPUs.
+
+    The scale gradient's sum over rows. The generic form, a ``dot_general`` with the
+    features as its batch axis, puts that axis first, so XLA:TPU sums a transposed
+    (features, rows) operand and does not merge the sum into the backward's other
+    passes over ``x`` and ``dy``: one extra fusion per norm, which recomputes its
+    producers. As a plain reduction it joins the ``dx`` pass as it does for flax: in
+    the Gemma-3-style train step (``benchmarks/gemma.py``, TPU v5e, 18 blocks, batch
+    4 x 1024) the whole step from 132.2M to 128.3M estimated cycles, its non-matmul
+    part from 54.3M to 50.4M, and 19 fusions fewer.
+    """
+    contract = tuple(i for i in range(prod.ndim) if i not in keep)
+    return jnp.sum(prod, contract, keepdims=True)
+
+
 def row_groups(rows: int, rows_per_group: int = 128) -> int:
     """How many groups of rows a two-stage column sum splits ``rows`` into (1: none).
 

@@ -1,14 +1,19 @@
 """Flax NNX ``RMSNorm``: the twin of :class:`rmsnorm_jax.RMSNorm` for ``flax.nnx``.
 
 Mirrors ``flax.nnx.RMSNorm`` (same arguments, a ``scale`` Param of shape
-``(num_features,)``) and adds ``p``, ``use_bias``, ``scale_offset`` and
-``eps_placement``. It calls :func:`rmsnorm_jax.rms_norm`, so its outputs and gradients
-equal the linen Module's on the same parameters.
+``(num_features,)``) and adds ``p``, ``use_bias``, ``scale_offset``, ``eps_placement``
+and ``implementation``. It calls :func:`rmsnorm_jax.rms_norm`, so its outputs and
+gradients equal the linen Module's on the same parameters.
+
+:meth:`RMSNorm.gemma` is the one-line swap for models that define their own zero-centred
+``(1 + scale)`` norm (Gemma, MaxText with ``scale_offset=1``): it takes their argument
+names (``weight_dtype``, ``scale_metadata``) and their semantics.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -20,6 +25,24 @@ from flax.nnx.nn import dtypes
 from flax.typing import Axes, Dtype, Initializer
 
 from ._module_utils import feature_param_shapes, normalize, unsupported_options
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def _warn_if_zero(scale: jax.Array) -> None:
+    """Warns when a concrete initial scale is all zeros (see :class:`RMSNorm`)."""
+    if isinstance(scale, jax.core.Tracer) or scale.size == 0:
+        return
+    if not bool(jnp.all(scale == 0)):
+        return
+    warnings.warn(
+        "RMSNorm: the scale is initialised to zeros and scale_offset=0, so the layer "
+        "outputs 0 for every input (y = x_hat * scale). For a Gemma-style zero-centred "
+        "scale, y = x_hat * (1 + scale), use RMSNorm.gemma(num_features, ...) or pass "
+        "scale_offset=1.0; for a unit gain, use scale_init=nnx.initializers.ones.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 class RMSNorm(nnx.Module):
@@ -55,6 +78,15 @@ class RMSNorm(nnx.Module):
       eps_placement: ``"inside"`` or ``"outside"``.
       activation, norm_before_gate, group_size: the gated form, used when called
         with ``gate=`` (see :func:`rmsnorm_jax.gated_rms_norm`).
+      implementation: which path computes the norm: ``"xla"``, ``"pallas"`` (the
+        fused kernels) or ``"auto"`` (per backend and shape, from measurements; XLA
+        where none).
+
+    A scale initialised to exactly zero with ``scale_offset=0`` makes the layer output
+    zero for every input: that is a Gemma-style ``(1 + scale)`` parameter read as
+    ``x_hat * scale``, so a ``UserWarning`` names the fix (:meth:`gemma`, or
+    ``scale_offset=1.0``). Checked only where the initial value is concrete (not under
+    ``jit`` or ``nnx.eval_shape``); parameters loaded later are not checked.
 
     Example:
 
@@ -92,8 +124,14 @@ class RMSNorm(nnx.Module):
         activation: str = "silu",
         norm_before_gate: bool = True,
         group_size: int | None = None,
+        implementation: str = "auto",
     ):
         unsupported_options(axis_index_groups)
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}; use "
+                "'auto' (the measured default per backend and shape), 'xla' or 'pallas'."
+            )
         shape = (num_features,)
         self.scale = (
             nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)
@@ -123,6 +161,89 @@ class RMSNorm(nnx.Module):
         self.activation = activation
         self.norm_before_gate = norm_before_gate
         self.group_size = group_size
+        self.implementation = implementation
+        if use_scale and scale_offset == 0:
+            _warn_if_zero(self.scale[...])
+
+    @classmethod
+    def gemma(
+        cls,
+        num_features: int,
+        *,
+        epsilon: float = 1e-6,
+        dtype: Dtype | None = None,
+        weight_dtype: Dtype | None = None,
+        param_dtype: Dtype | None = None,
+        scale_init: Initializer = nnx.initializers.zeros,
+        scale_metadata: Mapping[str, Any] = MappingProxyType({}),
+        rngs: nnx.Rngs,
+        **kwargs: Any,
+    ) -> RMSNorm:
+        r"""Gemma's (and MaxText's ``scale_offset=1``) zero-centred RMSNorm, in one line.
+
+        ``y = x / sqrt(mean(x**2) + epsilon) * (1 + scale)`` over the last axis, with
+        ``scale`` initialised to zeros, so the stored parameter is the one such models
+        (and their checkpoints) store: load it as it is. The statistic, the
+        normalisation and ``1 + scale`` are computed in float32 (at least), then cast
+        to ``dtype``; ``x`` and ``scale`` are not cast to ``dtype`` first (no
+        ``promote_dtype``), so ``1 + scale`` keeps the weight's precision. Output
+        dtype: ``dtype``, else the promotion of ``x`` and the weight (float32 for
+        bfloat16 ``x`` and float32 weights: give ``dtype=jnp.bfloat16`` to keep
+        bfloat16 activations).
+
+        Args:
+          num_features: size of the last axis (Gemma's ``dim``).
+          epsilon: added to the mean square (Gemma and MaxText: 1e-6).
+          dtype: output dtype (MaxText's ``dtype``).
+          weight_dtype: storage dtype of ``scale`` (MaxText's name; default float32).
+          param_dtype: flax's name for the same; give one of the two.
+          scale_init: initializer of the zero-centred scale (default zeros).
+          scale_metadata: metadata of the ``scale`` Param, e.g. sharding names.
+          rngs: ``nnx.Rngs``.
+          **kwargs: any other argument of :class:`RMSNorm` (``reduction_axes``,
+            ``implementation``, ...), except ``scale_offset`` and ``promote_dtype``,
+            which this constructor fixes.
+
+        Example:
+
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from rmsnorm_jax.nnx import RMSNorm
+        >>> norm = RMSNorm.gemma(4, weight_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        >>> norm.scale[...]  # Gemma's zeros: the layer starts at unit gain
+        Array([0., 0., 0., 0.], dtype=float32)
+        >>> norm.scale[...] = jnp.array([0.0, 1.0, 0.0, -1.0])  # a checkpoint's scale
+        >>> y = norm(jnp.array([[1.0, 2.0, 3.0, 4.0]]))  # x_hat * (1 + scale)
+        >>> [round(v, 2) for v in y[0].tolist()]
+        [0.37, 1.46, 1.1, 0.0]
+        >>> RMSNorm.gemma(4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))(y).dtype
+        dtype(bfloat16)
+        """
+        fixed = sorted({"scale_offset", "promote_dtype"} & kwargs.keys())
+        if fixed:
+            raise TypeError(
+                f"RMSNorm.gemma fixes {', '.join(fixed)} (scale_offset=1.0, "
+                "promote_dtype=None); drop them, or build RMSNorm(...) directly."
+            )
+        if weight_dtype is not None and param_dtype is not None:
+            if jnp.dtype(weight_dtype) != jnp.dtype(param_dtype):
+                raise ValueError(
+                    f"weight_dtype={weight_dtype!r} and param_dtype={param_dtype!r} name "
+                    "the same thing (the scale's storage dtype); give one of them."
+                )
+        storage = weight_dtype or param_dtype or jnp.float32
+        return cls(
+            num_features,
+            epsilon=epsilon,
+            dtype=dtype,
+            param_dtype=storage,
+            scale_init=scale_init,
+            scale_metadata=scale_metadata,
+            scale_offset=1.0,
+            promote_dtype=None,
+            rngs=rngs,
+            **kwargs,
+        )
 
     def __call__(
         self,
