@@ -8,8 +8,6 @@ JAX_PLATFORMS=cpu is set by conftest.py before jax is imported on a machine with
 accelerator; elsewhere, or without the compilers, these tests skip (helpers.aot_target).
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
@@ -17,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import aot_target, host_cpu_devices
+from helpers import aot_target, host_cpu_devices, load_benchmark_module
 from jax.sharding import PartitionSpec as P
 
 import rmsnorm_jax
@@ -27,15 +25,6 @@ from rmsnorm_jax._backends import row_groups, rows_per_group, two_stage_column_s
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCELERATORS = ("tpu-v5e", "tpu-v6e", "h100")
-
-
-def _load_benchmark_module(name):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------- targets
@@ -225,7 +214,7 @@ def test_train_step_temp_memory_against_flax(target_name):
     - with the relu MLP, where the floor allows it, ours needs at most 0.7x flax's.
       (With SwiGLU or gelu the floor itself is above 0.7x: see the README.)
     """
-    aot_bench = _load_benchmark_module("aot_bench")
+    aot_bench = load_benchmark_module("aot_bench")
     d, tokens = 512, 4096
     memory = aot_bench.train_step_memory(
         aot_target(target_name),
@@ -248,7 +237,7 @@ def test_tpu_float32_layernorm_advantage_is_isolated_program_only():
     because dy is an input there) and estimates LayerNorm 4-15 % cheaper than any
     RMSNorm. In a train step, where dy comes back through a matmul from y, the
     compiler's estimate of the whole step is lower with our norm than with LayerNorm."""
-    aot_bench = _load_benchmark_module("aot_bench")
+    aot_bench = load_benchmark_module("aot_bench")
     cost = aot_bench.train_step_cost(
         aot_target("tpu-v5e"),
         ("rms_norm", "flax LayerNorm"),
@@ -274,7 +263,7 @@ def test_h100_small_inputs_no_slower_than_peers(rows, features, dtype):
     """Below the benchmark's sizes the scale gradient's two-stage sum takes smaller
     groups (``rows_per_group``), and forward+backward is estimated no slower than
     flax RMSNorm, flax LayerNorm and plain autodiff."""
-    implementations = _load_benchmark_module("implementations")
+    implementations = load_benchmark_module("implementations")
     target = aot_target("h100")
     mesh = jax.sharding.Mesh(target.devices[:1], ("d",))
     x = aot.struct((rows, features), dtype, mesh, P())

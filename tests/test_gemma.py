@@ -5,32 +5,19 @@ Numerics of its norm variants against a float64 oracle, the train step in both m
 compiles of a small config. The full size lives in ``benchmarks/gemma_bench.py``.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import aot_target, assert_close, tol
+from helpers import aot_target, assert_close, load_benchmark_module, tol
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-6
 
 
-def _load(name):
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gemma = _load("gemma")
+gemma = load_benchmark_module("gemma")
 
 
 def gemma_formula64(x, scale):
@@ -121,7 +108,7 @@ def test_train_step_unrolled_and_scanned_agree():
 def h100_scanned():
     """The small config's train step under scan, compiled for H100: one record per norm."""
     target = aot_target("h100")
-    bench = _load("gemma_bench")
+    bench = load_benchmark_module("gemma_bench")
     names = ("rms_norm", "gemma's own", "flax nnx RMSNorm")
     return {
         name: bench.measure(target, gemma.SMALL, name, "scan", batch=2, seq=64)[0] for name in names
@@ -144,7 +131,7 @@ def test_scanned_block_has_no_more_kernels_than_gemmas(h100_scanned):
 
 def test_matmul_kernels_are_told_apart():
     """The non-matmul part excludes exactly the kernels that hold a dot."""
-    bench = _load("gemma_bench")
+    bench = load_benchmark_module("gemma_bench")
     text = (
         "%fused_dot (p: f32[2,2]) -> f32[2,2] {\n  %d = f32[2,2] dot(%p, %p)\n}\n"
         "%fused_add (p: f32[2,2]) -> f32[2,2] {\n  %a = f32[2,2] add(%p, %p)\n}\n"
