@@ -90,3 +90,18 @@ def test_quick_runs_never_write_into_the_committed_results(tmp_path):
         quick.rmdir()
         again.rmdir()
     assert bench.output_dir(str(tmp_path), quick=True) == tmp_path
+
+
+@requires_deviceless("h100")
+def test_step_kernels_small_h100_step():
+    """``step_kernels.py``: per-norm kernel counts of a compiled train step. Compile facts:
+    every program has the same GEMMs (only the norm differs), and ours keeps the least."""
+    from helpers import load_benchmark_module
+
+    step_kernels = load_benchmark_module("step_kernels")
+    rows = step_kernels.main(["--mlp", "swiglu", "--d", "256", "--tokens", "512"])
+    by_norm = {name: r for _, name, r in rows}
+    assert set(by_norm) == set(step_kernels.NORMS)
+    assert len({r["gemm"] for r in by_norm.values()}) == 1 and by_norm["rms_norm"]["gemm"] > 0
+    assert by_norm["rms_norm"]["temp_mib"] < by_norm["flax RMSNorm"]["temp_mib"]
+    assert by_norm["rms_norm"]["kernels"] < by_norm["jnp + autodiff"]["kernels"]
