@@ -48,6 +48,7 @@ from implementations import (
     forward_backward,
     fused_forward_backward,
     fused_residual_bytes,
+    random_inputs,
     traffic_baseline,
 )
 
@@ -362,15 +363,6 @@ def main(argv: list[str] | None = None):
     return results
 
 
-def fused_inputs(rows: int, features: int, dtype):
-    kx, ko, ks, kd = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(kx, (rows, features), jnp.float32).astype(dtype)
-    other = jax.random.normal(ko, (rows, features), jnp.float32).astype(dtype)
-    scale = (1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)).astype(dtype)
-    dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
-    return x, other, scale, dy
-
-
 def main_fused(args) -> list[dict]:
     """Fused LLM-layer ops against flax compositions: residual bytes and fwd+bwd cost.
 
@@ -391,7 +383,7 @@ def main_fused(args) -> list[dict]:
     for dtype in args.dtypes.split(","):
         for f in features:
             rows = max(8, int(mib * 2**20 / (jnp.dtype(dtype).itemsize * f)))
-            x, other, scale, dy = fused_inputs(rows, f, jnp.dtype(dtype))
+            x, other, scale, dy = random_inputs(rows, f, jnp.dtype(dtype))
             if target is None:
                 calls = {
                     name: (jax.jit(fused_forward_backward(fn)), (x, other, scale, dy))

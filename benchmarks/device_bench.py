@@ -81,7 +81,6 @@ from device_ops import (
     OpProgram,
     add_op_ratios,
     bench_op_shape,
-    op_inputs,
     op_programs,
 )
 from device_report import (
@@ -175,7 +174,6 @@ __all__ = [
     "memory_stats",
     "module_name",
     "named",
-    "op_inputs",
     "op_programs",
     "ops_markdown",
     "parse_args",

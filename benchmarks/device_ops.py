@@ -13,7 +13,6 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 from device_timing import _error, compile_all, interleaved, uses_custom_kernel
 from implementations import (
@@ -23,6 +22,7 @@ from implementations import (
     copy_baseline,
     forward_backward,
     fused_forward_backward,
+    random_inputs,
     traffic_baseline,
 )
 
@@ -149,20 +149,11 @@ def op_programs(platform: str) -> list[OpProgram]:
     return progs
 
 
-def op_inputs(rows: int, features: int, dtype):
-    kx, ko, ks, kd = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(kx, (rows, features), jnp.float32).astype(dtype)
-    other = jax.random.normal(ko, (rows, features), jnp.float32).astype(dtype)
-    scale = (1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)).astype(dtype)
-    dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
-    return x, other, scale, dy
-
-
 def bench_op_shape(mib: float, features: int, dtype: str, platform: str, timer, args) -> list[dict]:
     """All programs of one shape in interleaved rounds; one result row per program and kind."""
     itemsize = jnp.dtype(dtype).itemsize
     rows = max(8, int(mib * 2**20 / (itemsize * features)))
-    x, other, scale, dy = op_inputs(rows, features, jnp.dtype(dtype))
+    x, other, scale, dy = random_inputs(rows, features, jnp.dtype(dtype))
     progs = op_programs(platform)
     programs, absent = {}, []
     for p in progs:
@@ -180,12 +171,11 @@ def bench_op_shape(mib: float, features: int, dtype: str, platform: str, timer, 
     timings = interleaved(runnable, timer, args.rounds)
     by_impl = {p.impl: p for p in progs}
     results = []
-    for key in programs:
-        impl, kind = key
-        p = by_impl[impl]
-        row = dict(
+
+    def row_of(p, kind, **fields):
+        return dict(
             section="ops",
-            impl=impl,
+            impl=p.impl,
             kind=kind,
             group=p.group,
             role=p.role,
@@ -194,8 +184,12 @@ def bench_op_shape(mib: float, features: int, dtype: str, platform: str, timer, 
             rows=rows,
             dtype=dtype,
             x_bytes=x.nbytes,
-            method=timer.method,
+            **fields,
         )
+
+    for key in programs:
+        impl, kind = key
+        row = row_of(by_impl[impl], kind, method=timer.method)
         if isinstance(compiled[key], str):
             row.update(status="failed", note=f"compile: {compiled[key]}")
         else:
@@ -205,22 +199,7 @@ def bench_op_shape(mib: float, features: int, dtype: str, platform: str, timer, 
                 row["uses_kernel"] = uses_custom_kernel(compiled[key][0])
         results.append(row)
     for p, kind in absent:
-        results.append(
-            dict(
-                section="ops",
-                impl=p.impl,
-                kind=kind,
-                group=p.group,
-                role=p.role,
-                size_mib=mib,
-                features=features,
-                rows=rows,
-                dtype=dtype,
-                x_bytes=x.nbytes,
-                status=p.status,
-                note=p.note,
-            )
-        )
+        results.append(row_of(p, kind, status=p.status, note=p.note))
     add_op_ratios(results)
     return results
 

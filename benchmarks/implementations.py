@@ -57,6 +57,17 @@ def forward_backward(fn):
     return run
 
 
+def random_inputs(rows: int, features: int, dtype):
+    """``(x, other, scale, dy)`` of one benchmark shape: x, the residual stream or gate, and
+    the cotangent standard normal, the scale near 1; the same seed for every program."""
+    kx, ko, ks, kd = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(kx, (rows, features), jnp.float32).astype(dtype)
+    other = jax.random.normal(ko, (rows, features), jnp.float32).astype(dtype)
+    scale = (1 + 0.1 * jax.random.normal(ks, (features,), jnp.float32)).astype(dtype)
+    dy = jax.random.normal(kd, (rows, features), jnp.float32).astype(dtype)
+    return x, other, scale, dy
+
+
 def copy_baseline(x, scale):
     del scale
     return x * 2

@@ -66,10 +66,6 @@ def _rows(a: jax.Array | None, n: int):
     return None if a is None else a.reshape(-1, n)
 
 
-def _vector(a: jax.Array | None, n: int):
-    return None if a is None else a.reshape(n)
-
-
 def _forward_local(cfg: NormConfig, spec: KernelSpec, h_dtype, rows, params, xla_only=False):
     """``(y, stat[, h])`` of this device's rows: a backend's kernel, or the XLA path."""
     x, residual = rows
@@ -81,8 +77,8 @@ def _forward_local(cfg: NormConfig, spec: KernelSpec, h_dtype, rows, params, xla
             y, stat, h = backend.forward(
                 spec,
                 _rows(x, n),
-                _vector(scale, n),
-                _vector(bias, n),
+                scale,
+                bias,
                 _rows(residual, n),
                 h_dtype=h_dtype,
                 interpret=interpret,
@@ -116,7 +112,7 @@ def _backward_local(cfg: NormConfig, spec: KernelSpec, dx_dtype, rows, params, x
                 _rows(x, n),
                 _rows(dy, n),
                 stat.reshape(-1),
-                _vector(scale, n),
+                scale,
                 _rows(dh, n),
                 dx_dtype=dx_dtype,
                 interpret=interpret,

@@ -22,6 +22,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._vjp import _explicit_spec
+
 # What each output of a row-wise call is: "rows" has x's shape, "stat" x's shape with a
 # last dim of 1, "sum" is a parameter gradient of shape (n,), summed over all rows.
 ROWS, STAT, SUM = "rows", "stat", "sum"
@@ -40,18 +42,10 @@ def rowwise(local: Local, rows: list, params: list, kinds: Sequence[str]) -> tup
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
         return tuple(local(rows, params))
-    spec = _spec_of(jax.typeof(x))
+    spec = _explicit_spec(jax.typeof(x))
     if spec is not None:
         return _shard_mapped(local, rows, params, kinds, jax.typeof(x).sharding.mesh, spec)
     return _custom_partitioned(local, rows, params, kinds)
-
-
-def _spec_of(aval) -> tuple | None:
-    """The partition spec of ``aval`` when any of its axes is explicitly sharded."""
-    spec = getattr(getattr(aval, "sharding", None), "spec", None)
-    if spec is None or all(entry is None for entry in spec):
-        return None
-    return tuple(spec) + (None,) * (len(aval.shape) - len(spec))
 
 
 def _row_spec(spec: tuple) -> tuple:
