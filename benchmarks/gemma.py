@@ -98,6 +98,15 @@ def gemma_formula(x, scale):
     return normed * (1 + scale.astype(x.dtype))
 
 
+def scale_only(x, scale):
+    """Not a norm: ``x * (1 + scale)`` in x's dtype. What any norm with a learnable scale
+    keeps for its backward (``x``, for the scale's gradient) and nothing more: the
+    floor of the memory tables."""
+    return x * (1 + scale.astype(x.dtype))
+
+
+FLOOR = "x * (1 + scale) (floor)"
+
 NORMS: dict[str, Callable] = {
     "rms_norm": ours,
     "gemma's own": gemma_formula,

@@ -10,7 +10,9 @@ kernels, and the compiler's estimate of the whole step and of its non-matmul par
 kernel that holds no dot or convolution). A loop body counts once, so the estimates of
 the scanned programs cover one block: compare norms within a mode, not across modes.
 When the TPU compiler refuses a program that does not fit in HBM, the memory column
-shows what it asked for.
+shows what it asked for. ``--norms "x * (1 + scale) (floor)"`` adds the memory floor: the
+step with ``x * (1 + scale)`` in place of every norm, which keeps for its backward what
+any norm with a learnable scale must keep.
 
 Writes ``gemma-<target>.json`` and ``.md`` into ``--out``. Every number is the
 compiler's estimate of a deviceless compile, not a hardware timing.
@@ -36,6 +38,8 @@ from jax.sharding import PartitionSpec as P
 from rmsnorm_jax import aot
 
 MODES = ("unrolled", "scan")
+# The norms, and the memory floor (not a norm; compiled only when named in --norms).
+COMPARED = {**gemma.NORMS, gemma.FLOOR: gemma.scale_only}
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%?([\w.-]+)")
@@ -97,7 +101,7 @@ def measure(target: aot.Target, cfg: gemma.Config, name: str, mode: str, batch: 
     start = time.perf_counter()
     record = dict(norm=name, mode=mode, batch=batch, seq=seq, layers=cfg.layers)
     try:
-        compiled = compile_step(target, cfg, gemma.NORMS[name], mode == "scan", batch, seq)
+        compiled = compile_step(target, cfg, COMPARED[name], mode == "scan", batch, seq)
     except jax.errors.JaxRuntimeError as err:
         need = re.search(r"HLO temporaries \(([\d.]+)G\)", str(err))
         if need is None:
@@ -203,7 +207,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             record, compiled = measure(target, cfg, name, mode, batch, seq)
             records = [r for r in records if (r["norm"], r["mode"]) != (name, mode)]
             records.append(record)
-            records.sort(key=lambda r: (MODES.index(r["mode"]), list(gemma.NORMS).index(r["norm"])))
+            records.sort(key=lambda r: (MODES.index(r["mode"]), list(COMPARED).index(r["norm"])))
             if args.hlo_dir and compiled is not None:
                 hlo = Path(args.hlo_dir)
                 hlo.mkdir(parents=True, exist_ok=True)

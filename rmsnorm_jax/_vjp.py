@@ -216,6 +216,12 @@ def row_statistic(cfg: NormConfig, x, mask) -> jax.Array:
     # both from a materialised float32 copy of x: measured 3x to 7x slower for
     # bfloat16 rows of 5120 and 8192 features and for pRMSNorm, neutral for float32.
     ms = _mean_square(cfg, cpu_barrier(x), mask)
+    # One value read by the forward and the backward's three passes: XLA:GPU stores it
+    # from a small f32[rows] kernel of its own. Keeping ``ms`` instead, with a spelling of
+    # the root per pass that CSE cannot merge, removes that kernel (Gemma-3 270M step,
+    # H100: 1794 to 1758) but XLA's cost model charges each reader an rsqrt per element
+    # (non-matmul +0.4 %; isolated forward+backward at 8192 x 1024 bfloat16 42.0 against
+    # 40.9 us): not taken until a GPU measures it (docs/real-models.md).
     row_stat = lax.rsqrt(ms + cfg.eps) if cfg.inside else jnp.sqrt(ms)
     return checkpoint_name(row_stat, STAT_NAME)
 
