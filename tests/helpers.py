@@ -27,6 +27,12 @@ TOL = {
 }
 
 
+def offset_normal(shape, dtype=jnp.float32, seed=0) -> jax.Array:
+    """Test inputs: ``1.5 * N(0, 1) + 0.2`` drawn in float32, then cast to ``dtype`` (rows
+    with a non-zero mean, far from eps)."""
+    return (1.5 * jax.random.normal(jax.random.key(seed), shape, jnp.float32) + 0.2).astype(dtype)
+
+
 def tol(dtype):
     return TOL[jnp.dtype(dtype)]
 

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, oracle_value_and_grads, tol
+from helpers import assert_close, offset_normal, oracle_value_and_grads, tol
 
 import rmsnorm_jax
 
@@ -19,7 +19,7 @@ AXES = [
 
 
 def _x(dtype, shape=(4, 3, 16), seed=0):
-    return (1.5 * jax.random.normal(jax.random.key(seed), shape, jnp.float32) + 0.2).astype(dtype)
+    return offset_normal(shape, dtype, seed)
 
 
 def _random_params(variables, seed=1):

@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close, tol
+from helpers import assert_close, offset_normal, tol
 
 import rmsnorm_jax
 import rmsnorm_jax.nnx
 
 
 def _x(shape=(4, 3, 16), dtype=jnp.float32, seed=0):
-    return (1.5 * jax.random.normal(jax.random.key(seed), shape, jnp.float32) + 0.2).astype(dtype)
+    return offset_normal(shape, dtype, seed)
 
 
 def _randomize(module, seed=1):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close, tol
+from helpers import assert_close, offset_normal, tol
 
 from rmsnorm_jax.nnx import RMSNorm
 
@@ -53,7 +53,7 @@ class Block(nnx.Module):
 
 
 def _x(shape=(3, 5, 16), dtype=jnp.float32, seed=0):
-    return (1.5 * jax.random.normal(jax.random.key(seed), shape, jnp.float32) + 0.2).astype(dtype)
+    return offset_normal(shape, dtype, seed)
 
 
 def _trained_scales(module, seed=1):
