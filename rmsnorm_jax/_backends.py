@@ -27,7 +27,15 @@ def cpu_barrier(operands):
     kernel into three (1.55x slower by XLA's cost model), and on TPU v5e it costs
     33-44 % more estimated cycles for forward+backward.
     """
-    return lax.platform_dependent(operands, cpu=lax.optimization_barrier, default=_same_vma)
+    return lax.platform_dependent(operands, cpu=_barrier, default=_same_vma)
+
+
+def _barrier(operands):
+    # Inside ``shard_map`` jax 0.10 marks every output of a barrier varying along the
+    # union of its operands' axes, jax 0.12 each along its own operand's: marked to the
+    # union here, the outputs have the same types on every version, and the same as
+    # the other branch's.
+    return _same_vma(lax.optimization_barrier(operands))
 
 
 def vma(aval) -> frozenset:
@@ -38,8 +46,7 @@ def vma(aval) -> frozenset:
 
 def _same_vma(operands):
     """The operands, each marked varying along every mesh axis that any of them varies
-    along, as ``optimization_barrier`` marks its outputs inside ``shard_map``: both
-    branches of a ``platform_dependent`` must return the same types. Outside
+    along: both branches of a ``platform_dependent`` must return the same types. Outside
     ``shard_map`` (or when they already agree) nothing changes."""
     leaves, tree = jax.tree.flatten(operands)
     vmas = [vma(jax.typeof(a)) for a in leaves]

@@ -115,7 +115,23 @@ class Target:
         The arguments are ``jax.ShapeDtypeStruct``s whose shardings live on a mesh of
         this target's devices (see :func:`struct`); that is what picks the compiler.
         """
-        return jitted.lower(*args, **kwargs).compile(compiler_options=self.compiler_options)
+        with jax.sharding.use_abstract_mesh(_target_mesh(self, args, kwargs)):
+            lowered = jitted.lower(*args, **kwargs)
+            return lowered.compile(compiler_options=self.compiler_options)
+
+
+def _target_mesh(target: Target, args, kwargs) -> jax.sharding.AbstractMesh:
+    """The abstract mesh a program for ``target`` is lowered under.
+
+    It names the target's device kind: Pallas-Triton reads the GPU's compute capability
+    from it when no GPU is attached (jax >= 0.12; before, it assumed 9.0). The mesh of
+    the first sharded argument where there is one, else one of all the target's devices.
+    """
+    for leaf in jax.tree.leaves((args, kwargs)):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if isinstance(mesh, Mesh) and mesh.devices.flat[0] in target.devices:
+            return mesh.abstract_mesh
+    return Mesh(np.array(target.devices, dtype=object), ("devices",)).abstract_mesh
 
 
 def struct(shape, dtype, mesh: Mesh, spec) -> jax.ShapeDtypeStruct:

@@ -235,8 +235,20 @@ def _check_out_dtype(name: str, dtype) -> np.dtype:
 
 
 def _block(ref, r0, rows_per_block: int, npad: int):
-    """The (rows_per_block, npad) window of a (rows, n) ref starting at row r0."""
-    return ref.at[pl.ds(r0, rows_per_block), pl.ds(0, npad)]
+    """The (rows_per_block, npad) window of a (rows, n) ref starting at row r0.
+
+    Indexed by arrays of row and column numbers (Triton's pointer arithmetic), not by
+    slices: the window may reach past the array's last row and column, and the caller
+    masks those elements. A slice past the end is refused by Pallas since jax 0.12
+    ("Out of bound slice"); an index array is bounds-free, as in jax's own Pallas-Triton
+    ``rms_norm``.
+    """
+    return ref.at[_span(r0, rows_per_block)[:, None], _span(0, npad)[None, :]]
+
+
+def _span(start, size: int) -> jax.Array:
+    """The indices ``start, ..., start + size - 1`` (some may lie past the array)."""
+    return start + jnp.arange(size)
 
 
 def _forward_kernel(*refs, spec, rows, rows_per_block, npad, has_residual, interpret):
@@ -274,12 +286,12 @@ def _forward_kernel(*refs, spec, rows, rows_per_block, npad, has_residual, inter
     def vector(ref):
         if ref is None:
             return None
-        return plgpu.load(ref.at[pl.ds(0, npad)], mask=col_ok, other=0.0).astype(_F32)
+        return plgpu.load(ref.at[_span(0, npad)], mask=col_ok, other=0.0).astype(_F32)
 
     stat = stat_from_ms(spec, mean_square(spec, xf, col))
     y = normalized(spec, xf, stat, vector(scale_ref), vector(bias_ref))
     plgpu.store(_block(y_ref, r0, rows_per_block, npad), y.astype(y_ref.dtype), mask=mask)
-    plgpu.store(stat_ref.at[pl.ds(r0, rows_per_block)], stat.reshape(-1), mask=row_ok)
+    plgpu.store(stat_ref.at[_span(r0, rows_per_block)], stat.reshape(-1), mask=row_ok)
 
 
 def _backward_kernel(*refs, spec, rows, rows_per_block, npad, programs, steps, has_dh):
@@ -298,7 +310,7 @@ def _backward_kernel(*refs, spec, rows, rows_per_block, npad, programs, steps, h
     col = cols[None, :]
     scale_f = None
     if scale_ref is not None:
-        scale_f = plgpu.load(scale_ref.at[pl.ds(0, npad)], mask=col_ok, other=0.0)
+        scale_f = plgpu.load(scale_ref.at[_span(0, npad)], mask=col_ok, other=0.0)
         scale_f = scale_f.astype(_F32)[None, :]
 
     def step(i, sums):
@@ -310,7 +322,7 @@ def _backward_kernel(*refs, spec, rows, rows_per_block, npad, programs, steps, h
         dyf = plgpu.load(_block(dy_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
         xf, dyf = xf.astype(_F32), dyf.astype(_F32)
         # Rows past the end read a statistic of 1: finite for every eps placement.
-        stat = plgpu.load(stat_ref.at[pl.ds(r0, rows_per_block)], mask=row_ok, other=1.0)
+        stat = plgpu.load(stat_ref.at[_span(r0, rows_per_block)], mask=row_ok, other=1.0)
         stat = stat[:, None]
         dx = input_grad(spec, xf, dyf, stat, scale_f, col)
         if dh_ref is not None:
@@ -332,7 +344,7 @@ def _backward_kernel(*refs, spec, rows, rows_per_block, npad, programs, steps, h
     dscale_sum, dbias_sum = jax.lax.fori_loop(0, steps, step, init)
     for ref, total in ((dscale_ref, dscale_sum), (dbias_ref, dbias_sum)):
         if ref is not None:
-            plgpu.store(ref.at[program, pl.ds(0, npad)], total, mask=col_ok)
+            plgpu.store(ref.at[program, _span(0, npad)], total, mask=col_ok)
 
 
 # ---------------------------------------------------------------- the calls
