@@ -176,8 +176,12 @@ class Block(nn.Module):
         head_dim = cfg.d_model // cfg.num_heads
         depth_scale = 1 / math.sqrt(2 * cfg.num_layers)
         x = make_norm(cfg)(h)
-        qkv = nn.DenseGeneral(
-            (3, cfg.num_heads, head_dim),
+        # nn.Einsum rather than nn.DenseGeneral: DenseGeneral initialises a flat 2-D
+        # kernel and reshapes it, which under a mesh (e.g. `--compile-for`) applies the
+        # 4-D logical sharding to the 2-D value and fails.
+        qkv = nn.Einsum(
+            (cfg.d_model, 3, cfg.num_heads, head_dim),
+            "bld,dthk->blthk",
             use_bias=False,
             kernel_init=_dense_init(("embed", None, "heads", "kv")),
         )(x)
@@ -186,9 +190,9 @@ class Block(nn.Module):
         causal = jnp.tril(jnp.ones((h.shape[1], h.shape[1]), bool))
         weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-        attention_out = nn.DenseGeneral(
-            cfg.d_model,
-            axis=(-2, -1),
+        attention_out = nn.Einsum(
+            (cfg.num_heads, head_dim, cfg.d_model),
+            "blhk,hkd->bld",
             use_bias=False,
             kernel_init=_dense_init(("heads", "kv", "embed"), depth_scale),
         )(attended)

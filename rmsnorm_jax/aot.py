@@ -115,7 +115,10 @@ class Target:
         The arguments are ``jax.ShapeDtypeStruct``s whose shardings live on a mesh of
         this target's devices (see :func:`struct`); that is what picks the compiler.
         """
-        with jax.sharding.use_abstract_mesh(_target_mesh(self, args, kwargs)):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:  # no mesh set by the caller: name the target's
+            mesh = _target_mesh(self, args, kwargs)
+        with jax.sharding.use_abstract_mesh(mesh):
             lowered = jitted.lower(*args, **kwargs)
             return lowered.compile(compiler_options=self.compiler_options)
 
