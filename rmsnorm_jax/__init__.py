@@ -9,8 +9,7 @@ from ._functional import partial_count as partial_count
 from ._functional import rms_norm as rms_norm
 from ._fused import add_rms_norm as add_rms_norm
 from ._fused import gated_rms_norm as gated_rms_norm
+from ._version import __version__ as __version__
 from .linen import RMSNorm as RMSNorm
-
-__version__ = "0.1.0"
 
 __all__ = ["RMSNorm", "add_rms_norm", "gated_rms_norm", "nnx", "partial_count", "rms_norm"]

@@ -60,8 +60,11 @@ _TPUS = {
     "tpu7x": ("tpu7x", "2x2x1", 7.37e12 / 2),
 }
 # XLA's published GPU device descriptions (GpuTargetConfigProto, text form), shipped
-# in aot_targets/. The bandwidth is read from the file itself.
-_GPUS = {"h100": "h100_sxm.txtpb", "a100": "a100_sxm_80.txtpb"}
+# in aot_targets/. The bandwidth is read from the file itself. The second field says
+# whether XLA:GPU has a cost model for the GPU: its per-kernel estimate needs measured
+# op profiles, which jaxlib 0.10 to 0.12 hold for sm_90 but not sm_80 (asking for it
+# fails the compile with "NOT_FOUND: Cannot find key: sm_80").
+_GPUS = {"h100": ("h100_sxm.txtpb", True), "a100": ("a100_sxm_80.txtpb", False)}
 _CONFIG_DIR = Path(__file__).parent / "aot_targets"
 
 
@@ -79,22 +82,28 @@ class Target:
       platform: ``"cpu"``, ``"tpu"`` or ``"cuda"``.
       devices: the target's devices, in the order a mesh is built from.
       hbm_bytes_per_s: memory bandwidth of one device (None for ``cpu``).
+      has_cost_model: whether the compiler estimates the target's kernels (False for
+        ``cpu`` and ``a100``: see :func:`estimate`).
     """
 
     name: str
     platform: str
     devices: tuple[Any, ...]
     hbm_bytes_per_s: float | None
+    has_cost_model: bool = True
 
     @property
     def estimate_unit(self) -> str | None:
-        """What :func:`estimate` returns: ``"cycles"`` (TPU), ``"us"`` (GPU), or None."""
+        """What :func:`estimate` returns: ``"cycles"`` (TPU), ``"us"`` (GPU), or None
+        where the compiler has no cost model for the target (``cpu``, ``a100``)."""
+        if not self.has_cost_model:
+            return None
         return {"tpu": "cycles", "cuda": "us"}.get(self.platform)
 
     @property
     def compiler_options(self) -> dict[str, Any]:
         """Options that make the GPU compiler write its per-kernel cost estimate."""
-        if self.platform == "cuda":
+        if self.platform == "cuda" and self.has_cost_model:
             return {"xla_gpu_collect_cost_model_stats": True}
         return {}
 
@@ -150,6 +159,53 @@ def _unknown(name: str) -> ValueError:
     )
 
 
+def _wanted_libtpu(jax_requires: Sequence[str]) -> str | None:
+    """The libtpu version pattern (e.g. ``"0.0.42.*"``) that jax's ``tpu`` extra pins."""
+    for requirement in jax_requires:
+        match = re.match(r"libtpu\s*==\s*([\w.*]+)\s*;.*extra\s*==\s*.tpu.", requirement)
+        if match:
+            return match.group(1)
+    return None
+
+
+def _matches(version: str, pattern: str) -> bool:
+    if pattern.endswith(".*"):
+        return version == pattern[:-2] or version.startswith(pattern[:-1])
+    return version == pattern
+
+
+def compiler_mismatch(platform: str) -> str | None:
+    """Why the installed compiler for ``platform`` does not fit the installed jaxlib, or
+    None when it fits (or when a version cannot be read).
+
+    Each compiler is built for one jaxlib: the CUDA plugin (``jax-cuda12-plugin`` and
+    ``jax-cuda12-pjrt``) carries jaxlib's own version, and libtpu the version that jax's
+    ``tpu`` extra pins (e.g. jax 0.10.2 wants libtpu 0.0.42.*, jax 0.12.0.1 0.0.50.*).
+    """
+    from importlib import metadata
+
+    def installed(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    jaxlib = installed("jaxlib")
+    if jaxlib is None:
+        return None
+    if platform == "cuda":
+        for dist in ("jax-cuda12-plugin", "jax-cuda12-pjrt"):
+            version = installed(dist)
+            if version is not None and version != jaxlib:
+                return f"{dist} {version} is built for jaxlib {version}, but jaxlib is {jaxlib}"
+        return None
+    libtpu = installed("libtpu")
+    wanted = _wanted_libtpu(metadata.requires("jax") or [])
+    if libtpu is not None and wanted is not None and not _matches(libtpu, wanted):
+        return f"libtpu {libtpu} is installed, but jax {installed('jax')} needs libtpu=={wanted}"
+    return None
+
+
 def _check_compiler(platform: str) -> None:
     module = {"tpu": "libtpu", "cuda": "jax_plugins.xla_cuda12"}[platform]
     try:
@@ -160,6 +216,11 @@ def _check_compiler(platform: str) -> None:
         raise RuntimeError(
             f"the {platform.upper()} compiler is not installed ({module} not found); "
             f"install it with: {INSTALL}"
+        )
+    if mismatch := compiler_mismatch(platform):
+        raise RuntimeError(
+            f"the {platform.upper()} compiler does not match the installed jax: {mismatch}. "
+            f"Reinstall it for this jax with: {INSTALL} (it follows the installed jax)."
         )
     if platform == "cuda" and os.environ.get("JAX_PLATFORMS", "") != "cpu":
         raise RuntimeError(
@@ -181,7 +242,7 @@ def get_target(name: str) -> Target:
         raise TypeError(f"a target name must be a str such as 'tpu-v5e', got {name!r}.")
     if name == "cpu":
         devices = tuple(jax.devices("cpu"))
-        return Target("cpu", "cpu", devices, None)
+        return Target("cpu", "cpu", devices, None, has_cost_model=False)
     base, _, topology = name.partition(":")
     if base in _TPUS:
         generation, default_topology, bandwidth = _TPUS[base]
@@ -211,13 +272,14 @@ def get_target(name: str) -> Target:
     _check_compiler("cuda")
     from jax.experimental.topologies import get_topology_desc
 
-    config = (_CONFIG_DIR / _GPUS[gpu]).read_text()
+    config_file, has_cost_model = _GPUS[gpu]
+    config = (_CONFIG_DIR / config_file).read_text()
     devices = get_topology_desc(
         platform="cuda", target_config=config, topology=f"1x1x{count}"
     ).devices
     bandwidth = float(re.search(r"memory_bandwidth:\s*(\d+)", config).group(1))
     canonical = gpu if count == 1 else f"{gpu}x{count}"
-    return Target(canonical, "cuda", tuple(devices), bandwidth)
+    return Target(canonical, "cuda", tuple(devices), bandwidth, has_cost_model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +347,9 @@ def kernels(compiled: jax.stages.Compiled, target: Target) -> list[Kernel]:
 def estimate(compiled: jax.stages.Compiled, target: Target) -> float | None:
     """The compiler's estimate for the whole program: the sum over :func:`kernels`.
 
-    In cycles for a TPU target, microseconds for a GPU target; None for ``cpu``.
+    In cycles for a TPU target, microseconds for a GPU target; None where the compiler
+    has no cost model for the target: ``cpu``, and ``a100`` (XLA:GPU holds no op
+    profiles for sm_80; its programs compile and report memory, but carry no estimate).
     """
     if target.estimate_unit is None:
         return None

@@ -59,6 +59,64 @@ def test_unknown_target_lists_the_valid_names(name):
         aot.get_target(name)
 
 
+@pytest.mark.parametrize(
+    "platform, installed, named",
+    [
+        ("cuda", {"jaxlib": "0.12.0.1", "jax-cuda12-plugin": "0.10.2"}, ("0.10.2", "0.12.0.1")),
+        ("cuda", {"jaxlib": "0.10.2", "jax-cuda12-pjrt": "0.12.0.1"}, ("0.12.0.1", "0.10.2")),
+        ("tpu", {"jax": "0.12.0.1", "libtpu": "0.0.42.1"}, ("0.0.42.1", "0.0.50.*")),
+    ],
+)
+def test_a_compiler_built_for_another_jax_is_refused(monkeypatch, platform, installed, named):
+    """A mismatched plugin is named, with the jax it needs, before it is loaded."""
+    from importlib import metadata
+
+    def version(dist):
+        if dist in installed:
+            return installed[dist]
+        if dist in ("jaxlib", "jax"):
+            return "0.12.0.1"
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "version", version)
+    monkeypatch.setattr(metadata, "requires", lambda dist: ['libtpu==0.0.50.*; extra == "tpu"'])
+    monkeypatch.setattr(aot.importlib.util, "find_spec", lambda module: object())
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    with pytest.raises(RuntimeError, match=r"does not match the installed jax") as error:
+        aot._check_compiler(platform)
+    for version_text in named:
+        assert version_text in str(error.value)
+
+
+def test_the_installed_compilers_fit_the_installed_jax():
+    for platform in ("cuda", "tpu"):
+        assert aot.compiler_mismatch(platform) is None
+
+
+@pytest.mark.parametrize("name", aot.target_names())
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_every_advertised_target_compiles_forward_and_backward(name, implementation):
+    """Each name ``aot.target_names()`` lists compiles the gradient of ``rms_norm`` (an
+    odd width, bfloat16 x, float32 scale), with an estimate exactly where the compiler
+    has a cost model. Pallas on one device: see docs/kernels.md for TPU meshes."""
+    target = aot_target(name)
+    devices = 1 if implementation == "pallas" else len(target.devices)
+    mesh = jax.sharding.Mesh(np.array(target.devices[:devices]), ("data",))
+    x = aot.struct((256, 1000), jnp.bfloat16, mesh, P("data", None))
+    scale = aot.struct((1000,), jnp.float32, mesh, P())
+
+    def loss(x, scale):
+        return rms_norm(x, scale, implementation=implementation).astype(jnp.float32).sum()
+
+    compiled = target.compile(jax.jit(jax.grad(loss, (0, 1))), x, scale)
+    estimate = aot.estimate(compiled, target)
+    assert (estimate is None) == (not target.has_cost_model)
+    assert estimate is None or estimate > 0
+    if implementation == "pallas" and target.platform != "cpu":
+        kernel_call = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+        assert kernel_call[target.platform] in compiled.as_text()
+
+
 def test_mesh_must_fit_the_target():
     target = aot_target("tpu-v5e")
     with pytest.raises(ValueError, match="has 4"):
