@@ -6,16 +6,22 @@ train step. The default corpus is the Python documentation's topic texts that sh
 with Python itself (``pydoc_data.topics``), so nothing is downloaded.
 
     python examples/train_lm.py                          # RMSNorm, default config
-    python examples/train_lm.py --norm prmsnorm --p 0.0625
+    python examples/train_lm.py --norm prmsnorm --p 0.0625 --workdir runs/prmsnorm
     python examples/train_lm.py --compare                # RMSNorm vs pRMSNorm vs LayerNorm
-    python examples/train_lm.py --data my.txt --steps 2000 --workdir runs/mine --resume
+    python examples/train_lm.py --resume --steps 1000    # continue runs/train_lm's run
+    python examples/train_lm.py --overwrite              # delete it and start afresh
+    python examples/train_lm.py --data my.txt --steps 2000 --workdir runs/mine
     python examples/train_lm.py --mesh 4,2               # data=4, model=2 devices
     python examples/train_lm.py --compile-for tpu-v5e:4x4 --mesh 8,2 --d-model 2048
                                  # compile the sharded step for a pod, print its memory
 
-Writes ``<workdir>/metrics.json`` (per-step train loss and step time, eval losses),
-``<workdir>/loss.png`` and orbax checkpoints under ``<workdir>/checkpoints``;
-``--compare`` writes ``<workdir>/compare.png`` and ``<workdir>/compare.json``.
+Writes ``<workdir>/config.json`` (the run's Config), orbax checkpoints under
+``<workdir>/checkpoints``, ``<workdir>/metrics.json`` (per-step train loss and step
+time, eval losses) and ``<workdir>/loss.png``, and names them in its last lines;
+``--compare`` writes one such workdir per norm under ``<workdir>``, and
+``<workdir>/compare.png``, ``compare.md`` and ``compare.json``. A workdir that already
+holds a run is refused unless ``--resume`` continues it (same config, see
+``MAY_DIFFER_ON_RESUME``) or ``--overwrite`` deletes it first: two runs never mix.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -63,11 +70,19 @@ LOGICAL_RULES = (
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything that defines a run. The defaults finish in minutes on a 2-core CPU."""
+    """Everything that defines a run. The defaults finish in minutes on a 2-core CPU.
+
+    ``steps`` is where training stops. The learning rate warms up linearly over
+    ``warmup_steps`` and decays as a cosine to a tenth at ``schedule_steps`` (None:
+    ``steps``), then stays there. A run saves this config as ``<workdir>/config.json``;
+    ``--resume`` may change only the fields in ``MAY_DIFFER_ON_RESUME``, so a resumed
+    run keeps its schedule even when it stops at another step.
+    """
 
     norm: str = "rmsnorm"
     p: float = 0.0625
     steps: int = 600
+    schedule_steps: int | None = None  # None: steps (on --resume: the saved run's)
     batch_size: int = 32
     seq_len: int = 128
     d_model: int = 128
@@ -75,7 +90,7 @@ class Config:
     num_layers: int = 3
     mlp_ratio: int = 4
     learning_rate: float = 3e-3
-    warmup_steps: int = 60
+    warmup_steps: int | None = 60  # None: a tenth of the schedule, 1 to 60 (the CLI's)
     weight_decay: float = 0.1
     eval_every: int = 100
     eval_batches: int = 8
@@ -85,6 +100,20 @@ class Config:
     data: str | None = None
     val_fraction: float = 0.1
     progress: bool = True
+
+
+# What ``--resume`` may change: where the run stops, how often it evaluates and saves, how
+# it reports, and the device layout (the same maths; the losses then agree to float
+# rounding, not bit for bit). Everything else (model, data and its split, seed,
+# optimizer, schedule) must equal the saved run's, or the result would mix two runs.
+MAY_DIFFER_ON_RESUME = ("steps", "eval_every", "checkpoint_every", "mesh", "progress")
+
+
+def schedule_of(cfg: Config) -> tuple[int, int]:
+    """``(warmup_steps, schedule_steps)`` with the None defaults filled in."""
+    length = cfg.schedule_steps or cfg.steps
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, min(60, length // 10))
+    return warmup, length
 
 
 # ---------------------------------------------------------------- data
@@ -252,12 +281,15 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    warmup = min(cfg.warmup_steps, cfg.steps - 1)  # the cosine needs at least one step
+    warmup, length = schedule_of(cfg)
+    warmup = min(warmup, length - 1)  # the cosine needs at least one step
+    # Past `length` optax holds the end value: a run resumed beyond its schedule goes on
+    # at a tenth of the peak learning rate.
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         cfg.learning_rate,
         max(warmup, 0),
-        max(cfg.steps, warmup + 1),
+        max(length, warmup + 1),
         end_value=cfg.learning_rate / 10,
     )
     return optax.chain(
@@ -335,46 +367,207 @@ class Trainer:
         return float(np.mean([self.eval_step(params, self.put_batch(b)) for b in batches]))
 
 
+# ---------------------------------------------------------------- the workdir
+
+
+def run_files(workdir: str | Path) -> dict[str, Path]:
+    """Where a run keeps its files in ``workdir``: what ``--overwrite`` removes."""
+    workdir = Path(workdir)
+    return {
+        "checkpoints": workdir / "checkpoints",
+        "config": workdir / "config.json",
+        "metrics": workdir / "metrics.json",
+        "plot": workdir / "loss.png",
+    }
+
+
+def checkpoint_steps(workdir: str | Path) -> list[int]:
+    """The steps saved under ``<workdir>/checkpoints``. Orbax names a finished checkpoint
+    by its step; one that a killed run left half-written has a temporary suffix and is
+    not counted (nor restored)."""
+    path = run_files(workdir)["checkpoints"]
+    if not path.is_dir():
+        return []
+    return sorted(int(p.name) for p in path.iterdir() if p.name.isdigit())
+
+
+def _steps_in_words(steps: list[int]) -> str:
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
+
+
+def _previous_run(workdir: Path) -> list[str]:
+    """What ``workdir`` holds of an earlier run, in words; empty when nothing."""
+    found = []
+    for name, path in run_files(workdir).items():
+        if name == "checkpoints":
+            if path.is_dir() and any(path.iterdir()):
+                steps = checkpoint_steps(workdir)
+                found.append(
+                    f"checkpoints at {_steps_in_words(steps)}"
+                    if steps
+                    else "an unfinished checkpoint"
+                )
+        elif path.exists():
+            found.append(path.name)
+    return found
+
+
+def _config_json(cfg: Config) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as JSON lists
+
+
+def _config_from_json(saved: dict[str, Any]) -> Config:
+    known = {f.name for f in dataclasses.fields(Config)}
+    values = {k: v for k, v in saved.items() if k in known}
+    if values.get("mesh") is not None:
+        values["mesh"] = tuple(values["mesh"])
+    return Config(**values)
+
+
+def plan_run(cfg: Config, workdir: str | Path, resume: bool, overwrite: bool) -> Config:
+    """The config that a run of ``cfg`` in ``workdir`` trains with, or a ValueError that
+    says why it may not run there. Changes nothing on disk.
+
+    A workdir that holds a run needs ``resume`` (continue it) or ``overwrite`` (start
+    afresh). On resume the saved ``config.json`` must agree with ``cfg`` in every field
+    outside ``MAY_DIFFER_ON_RESUME``; ``schedule_steps`` and ``warmup_steps`` left None
+    are the saved run's.
+    """
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: pass one")
+    workdir = Path(workdir)
+    previous = _previous_run(workdir)
+    if previous and not (resume or overwrite):
+        raise ValueError(
+            f"{workdir} already holds a run ({', '.join(previous)}): pass --resume to "
+            f"continue it, --overwrite to delete it and start afresh, or another --workdir"
+        )
+    config_file = run_files(workdir)["config"]
+    if not resume or not config_file.exists():
+        if resume and previous:
+            raise ValueError(
+                f"{workdir} holds {', '.join(previous)} but no config.json (an older "
+                f"version of this example, or a deleted file), so --resume cannot check "
+                f"that they belong to this config: pass --overwrite to start afresh"
+            )
+        warmup, length = schedule_of(cfg)
+        return dataclasses.replace(cfg, warmup_steps=warmup, schedule_steps=length)
+    saved = json.loads(config_file.read_text())
+    requested = _config_json(cfg)
+    for name in ("schedule_steps", "warmup_steps"):
+        if requested[name] is None:
+            requested[name] = saved.get(name)
+    differing = [
+        f"{name} (saved {saved.get(name, 'nothing')!r}, now {requested.get(name, 'nothing')!r})"
+        for name in sorted(set(saved) | set(requested))
+        if name not in MAY_DIFFER_ON_RESUME and saved.get(name) != requested.get(name)
+    ]
+    if differing:
+        raise ValueError(
+            f"--resume: this command's config differs from the run saved in {config_file} "
+            f"in {'; '.join(differing)}. Only {', '.join(MAY_DIFFER_ON_RESUME)} may change "
+            f"on resume: rerun with the saved values, or pass --overwrite to start afresh"
+        )
+    return _config_from_json(requested)
+
+
+def _say(text: str) -> None:
+    if jax.process_index() == 0:
+        print(text, flush=True)
+
+
+def _on_all_processes_after(name: str) -> None:
+    """Waits until process 0 has changed the workdir (a no-op on one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+# ---------------------------------------------------------------- training loop
+
+
 def _checkpoint_manager(workdir: Path, cfg: Config):
     import orbax.checkpoint as ocp
 
     return ocp.CheckpointManager(
-        (workdir / "checkpoints").absolute(),
+        run_files(workdir)["checkpoints"].absolute(),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=2, save_interval_steps=cfg.checkpoint_every
         ),
     )
 
 
-def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -> dict:
-    """Trains ``cfg`` and writes metrics, plot and checkpoints under ``workdir``.
+def train_and_evaluate(
+    cfg: Config, workdir: str | Path, resume: bool = False, overwrite: bool = False
+) -> dict:
+    """Trains ``cfg`` and writes config, checkpoints, metrics and plot under ``workdir``.
 
-    Returns the metrics dict (also written to ``<workdir>/metrics.json``).
+    A workdir that already holds a run is refused unless ``resume`` (continue from its
+    latest checkpoint, printing "resumed from step N"; the config must match, see
+    ``plan_run``) or ``overwrite`` (remove the old run's files, ``run_files``, and start
+    afresh). Resuming a run already at ``cfg.steps`` or beyond trains nothing, says so,
+    and changes no file.
+
+    Returns the metrics dict (also written to ``<workdir>/metrics.json``); its
+    ``steps_trained`` is the number of steps this call trained.
     """
     import orbax.checkpoint as ocp
     from tqdm import tqdm
 
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = plan_run(cfg, workdir, resume, overwrite)
+    files = run_files(workdir)
     train_tokens, val_tokens = split_tokens(load_corpus(cfg.data), cfg)
-    val = eval_batches(val_tokens, cfg)
-    trainer = Trainer(cfg)
-    manager = _checkpoint_manager(workdir, cfg)
-
     metrics: dict[str, Any] = {
         "config": dataclasses.asdict(cfg),
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
-        "mesh": dict(trainer.mesh.shape),
+        "mesh": None,
         "unigram_entropy": unigram_entropy(train_tokens),
         "train_loss": [],
         "step_time": [],
         "eval": [],
         "resumed_from": None,
+        "steps_trained": 0,
     }
+    saved_metrics_keys = ("train_loss", "step_time", "eval")
+
+    saved_steps = checkpoint_steps(workdir) if resume else []
+    latest = saved_steps[-1] if saved_steps else None
+    if latest is not None and latest >= cfg.steps:
+        manager = _checkpoint_manager(workdir, cfg)
+        restored = manager.restore(latest, args=ocp.args.Composite(metrics=ocp.args.JsonRestore()))
+        manager.close()
+        metrics.update({k: restored["metrics"][k] for k in saved_metrics_keys})
+        metrics.update(mesh=dict(make_mesh(cfg).shape), resumed_from=latest)
+        metrics["final_eval_loss"] = metrics["eval"][-1]["loss"] if metrics["eval"] else None
+        metrics["wall_time"] = sum(metrics["step_time"])
+        _say(
+            f"nothing to train: the run in {workdir} is at step {latest} and --steps is "
+            f"{cfg.steps}; pass a larger --steps to train on (no file was changed)"
+        )
+        return metrics
+
+    if jax.process_index() == 0:
+        if overwrite and (previous := _previous_run(workdir)):
+            for path in files.values():
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            _say(f"--overwrite: removed the previous run in {workdir} ({', '.join(previous)})")
+        workdir.mkdir(parents=True, exist_ok=True)
+        files["config"].write_text(json.dumps(_config_json(cfg), indent=1) + "\n")
+    _on_all_processes_after("train_lm workdir ready")
+
+    val = eval_batches(val_tokens, cfg)
+    trainer = Trainer(cfg)
+    metrics["mesh"] = dict(trainer.mesh.shape)
+    manager = _checkpoint_manager(workdir, cfg)
     start = 0
-    if resume and manager.latest_step() is not None:
-        start = manager.latest_step()
+    if latest is not None:
+        start = latest
         restored = manager.restore(
             start,
             args=ocp.args.Composite(
@@ -383,10 +576,12 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -
             ),
         )
         state = restored["state"]
-        for key in ("train_loss", "step_time", "eval"):
-            metrics[key] = restored["metrics"][key]
+        metrics.update({k: restored["metrics"][k] for k in saved_metrics_keys})
         metrics["resumed_from"] = start
+        _say(f"resumed from step {start} of {files['checkpoints']}, training to step {cfg.steps}")
     else:
+        if resume:
+            _say(f"--resume: no checkpoint in {files['checkpoints']} yet; training from step 0")
         state = trainer.init(jax.random.key(cfg.seed))
 
     elapsed = sum(metrics["step_time"])
@@ -399,37 +594,40 @@ def train_and_evaluate(cfg: Config, workdir: str | Path, resume: bool = False) -
         dynamic_ncols=True,
     )
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    for step in bar:
-        batch = trainer.put_batch(batch_at(train_tokens, step, cfg, cfg.seed))
-        t0 = time.perf_counter()
-        state, loss = trainer.train_step(state, batch)
-        loss = float(loss)  # waits for the step: honest step times
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        metrics["train_loss"].append(loss)
-        metrics["step_time"].append(dt)
-        done = step + 1
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            eval_loss = trainer.evaluate(state["params"], val)
-            metrics["eval"].append({"step": done, "loss": eval_loss, "time": elapsed})
-            bar.write(f"step {done}: train {loss:.3f}  val {eval_loss:.3f} nats/byte")
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-        manager.save(
-            done,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                metrics=ocp.args.JsonSave(
-                    {k: metrics[k] for k in ("train_loss", "step_time", "eval")}
+    try:
+        for step in bar:
+            batch = trainer.put_batch(batch_at(train_tokens, step, cfg, cfg.seed))
+            t0 = time.perf_counter()
+            state, loss = trainer.train_step(state, batch)
+            loss = float(loss)  # waits for the step: honest step times
+            dt = time.perf_counter() - t0
+            elapsed += dt
+            metrics["train_loss"].append(loss)
+            metrics["step_time"].append(dt)
+            done = step + 1
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                eval_loss = trainer.evaluate(state["params"], val)
+                metrics["eval"].append({"step": done, "loss": eval_loss, "time": elapsed})
+                bar.write(f"step {done}: train {loss:.3f}  val {eval_loss:.3f} nats/byte")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+            manager.save(
+                done,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    metrics=ocp.args.JsonSave({k: metrics[k] for k in saved_metrics_keys}),
                 ),
-            ),
-        )
-    manager.wait_until_finished()
-    manager.close()
+                force=done == cfg.steps,  # the last step, even off the checkpoint interval
+            )
+    finally:  # on Ctrl-C too: the checkpoint being written is finished, not left half-done
+        bar.close()
+        manager.wait_until_finished()
+        manager.close()
+    metrics["steps_trained"] = cfg.steps - start
     metrics["final_eval_loss"] = metrics["eval"][-1]["loss"] if metrics["eval"] else None
     metrics["wall_time"] = elapsed
     if jax.process_index() == 0:  # one writer when the run spans several hosts
-        (workdir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        plot_losses({cfg.norm: metrics}, workdir / "loss.png")
+        files["metrics"].write_text(json.dumps(metrics, indent=1))
+        plot_losses({cfg.norm: metrics}, files["plot"])
     return metrics
 
 
@@ -469,11 +667,19 @@ def plot_losses(runs: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def compare(cfg: Config, workdir: Path) -> dict[str, dict]:
-    """RMSNorm, pRMSNorm and LayerNorm with the same seed and data order."""
+def compare(
+    cfg: Config, workdir: Path, resume: bool = False, overwrite: bool = False
+) -> dict[str, dict]:
+    """RMSNorm, pRMSNorm and LayerNorm with the same seed and data order, each in
+    ``<workdir>/<norm>`` (``resume`` and ``overwrite`` as in ``train_and_evaluate``)."""
+    workdir = Path(workdir)
+    for norm in NORMS:  # refuse before training any of them
+        plan_run(dataclasses.replace(cfg, norm=norm), workdir / norm, resume, overwrite)
     runs = {}
     for norm in NORMS:
-        runs[norm] = train_and_evaluate(dataclasses.replace(cfg, norm=norm), workdir / norm)
+        runs[norm] = train_and_evaluate(
+            dataclasses.replace(cfg, norm=norm), workdir / norm, resume, overwrite
+        )
     rows = []
     for norm, m in runs.items():
         times = np.array(m["step_time"][5:] or m["step_time"])  # skip compile and warm-up
@@ -524,7 +730,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--norm", choices=NORMS, default=defaults.norm)
     parser.add_argument("--p", type=float, default=defaults.p, help="pRMSNorm fraction")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=defaults.steps,
+        help="train until this step (with --resume: may differ from the saved run's)",
+    )
+    parser.add_argument(
+        "--schedule-steps",
+        type=int,
+        default=None,
+        help="length of the learning-rate schedule (default: --steps; with --resume: the "
+        "saved run's). Larger than --steps stops early on the schedule of a longer run, "
+        "which --resume --steps N continues exactly",
+    )
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len)
     parser.add_argument("--d-model", type=int, default=defaults.d_model)
@@ -542,7 +761,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     )
     parser.add_argument("--data", default=None, help="a UTF-8/bytes text file to train on")
     parser.add_argument("--workdir", default="runs/train_lm")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --workdir from its latest checkpoint; refused when the "
+        "config differs from its config.json (except --steps, --eval-every, "
+        "--checkpoint-every, --mesh, --no-progress)",
+    )
+    existing.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run in --workdir (checkpoints, config.json, metrics.json, "
+        "loss.png) and start afresh",
+    )
     parser.add_argument(
         "--compare", action="store_true", help="train rmsnorm, prmsnorm and layernorm and compare"
     )
@@ -576,6 +808,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.schedule_steps is not None and args.schedule_steps < 1:
+        parser.error(f"--schedule-steps must be >= 1, got {args.schedule_steps}")
     if not 0 < args.p <= 1:
         parser.error(f"--p must be in (0, 1], got {args.p}")
     if args.learning_rate <= 0:
@@ -586,13 +820,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
         norm=args.norm,
         p=args.p,
         steps=args.steps,
+        schedule_steps=args.schedule_steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         d_model=args.d_model,
         num_heads=args.num_heads,
         num_layers=args.num_layers,
         learning_rate=args.learning_rate,
-        warmup_steps=max(1, min(defaults.warmup_steps, args.steps // 10)),
+        warmup_steps=None,  # a tenth of the schedule (on --resume: the saved run's)
         eval_every=args.eval_every,
         checkpoint_every=args.checkpoint_every,
         seed=args.seed,
@@ -682,6 +917,18 @@ def launched_as_several_processes(env=os.environ) -> bool:
     )
 
 
+def _print_files(workdir: Path) -> None:
+    """The closing lines: where the run's files are."""
+    if jax.process_index() != 0:
+        return
+    files = run_files(workdir)
+    steps = _steps_in_words(checkpoint_steps(workdir))
+    print(f"checkpoints: {files['checkpoints']} ({steps}; --resume continues the latest)")
+    print(f"config:      {files['config']}")
+    print(f"metrics:     {files['metrics']}")
+    print(f"plot:        {files['plot']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg, args = parse_args(argv)
     if args.compile_for:
@@ -698,16 +945,22 @@ def main(argv: list[str] | None = None) -> int:
         load_corpus(cfg.data)  # fail fast on a missing or empty file
         workdir = Path(args.workdir)
         if args.compare:
-            compare(cfg, workdir)
-            print(f"wrote {workdir / 'compare.png'} and {workdir / 'compare.json'}")
+            compare(cfg, workdir, resume=args.resume, overwrite=args.overwrite)
+            for norm in NORMS:
+                _print_files(workdir / norm)
+            if jax.process_index() == 0:
+                print(f"comparison:  {workdir / 'compare.md'}, {workdir / 'compare.json'}")
+                print(f"plot:        {workdir / 'compare.png'}")
         else:
-            m = train_and_evaluate(cfg, workdir, resume=args.resume)
-            print(
-                f"final validation loss {m['final_eval_loss']:.3f} nats/byte "
-                f"(unigram entropy {m['unigram_entropy']:.3f}) in {m['wall_time']:.0f} s "
-                f"of training on {m['devices']} {m['platform']} device(s); "
-                f"wrote {workdir / 'metrics.json'} and {workdir / 'loss.png'}"
-            )
+            m = train_and_evaluate(cfg, workdir, resume=args.resume, overwrite=args.overwrite)
+            if m["steps_trained"] and jax.process_index() == 0:
+                print(
+                    f"final validation loss {m['final_eval_loss']:.3f} nats/byte "
+                    f"(unigram entropy {m['unigram_entropy']:.3f}) at step {cfg.steps}, "
+                    f"{m['wall_time']:.0f} s of training on {m['devices']} "
+                    f"{m['platform']} device(s)"
+                )
+            _print_files(workdir)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,13 +1,18 @@
-"""Smoke tests of examples/train_lm.py with a tiny configuration.
+"""Tests of examples/train_lm.py with a tiny configuration: training, and a workdir that
+never mixes two runs (refused, resumed, overwritten, killed and resumed).
 
 The example builds its mesh from the default backend's devices: eight host CPUs here
 (conftest.py), one device on a single-GPU machine.
 """
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import json
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,11 +22,33 @@ import pytest
 from helpers import deviceless_skip_reason
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_lm.py"
+
+# The command line of a tiny run: 12 steps of a 1-layer, d=32 model, checkpoints every 4.
+TINY = [
+    "--steps=12",
+    "--batch-size=8",
+    "--seq-len=32",
+    "--d-model=32",
+    "--num-heads=2",
+    "--num-layers=1",
+    "--learning-rate=1e-2",
+    "--eval-every=4",
+    "--checkpoint-every=4",
+    "--no-progress",
+]
+
+# Two runs agree to this relative tolerance when they are the same run: the same XLA
+# program on the same inputs, which XLA:CPU computes bit for bit alike (XLA on a GPU
+# does not promise bitwise-reproducible reductions). A mixed-up run is far outside it:
+# measured, this 12-step run on an 8-step schedule ends with a validation loss 1.0 % off
+# (train losses 2e-3 off from step 5), and with another seed 1.2 % off.
+SAME_RUN = 1e-6
 
 
 @pytest.fixture(scope="module")
 def train_lm():
-    spec = importlib.util.spec_from_file_location("train_lm", ROOT / "examples" / "train_lm.py")
+    spec = importlib.util.spec_from_file_location("train_lm", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_lm"] = module
     spec.loader.exec_module(module)
@@ -29,54 +56,211 @@ def train_lm():
 
 
 def _tiny(train_lm, **overrides):
-    cfg = train_lm.Config(
-        steps=12,
-        batch_size=8,
-        seq_len=32,
-        d_model=32,
-        num_heads=2,
-        num_layers=1,
-        learning_rate=1e-2,
-        warmup_steps=2,
-        eval_every=4,
-        eval_batches=2,
-        checkpoint_every=4,
-        progress=False,
-    )
+    cfg, _ = train_lm.parse_args(TINY)
     return dataclasses.replace(cfg, **overrides)
+
+
+def _run(train_lm, *argv) -> tuple[int, str]:
+    """``main(TINY + argv)``: its exit code and what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = train_lm.main([*TINY, *map(str, argv)])
+    return code, out.getvalue()
+
+
+def _metrics(workdir: Path) -> dict:
+    return json.loads((workdir / "metrics.json").read_text())
+
+
+def _snapshot(workdir: Path) -> dict[str, tuple[int, int] | None]:
+    """Every path under ``workdir`` with its size and modification time (files)."""
+    return {
+        str(p.relative_to(workdir)): (p.stat().st_size, p.stat().st_mtime_ns)
+        if p.is_file()
+        else None
+        for p in sorted(workdir.rglob("*"))
+    }
 
 
 @pytest.fixture(scope="module")
 def first_run(train_lm, tmp_path_factory):
+    """The uninterrupted run: its workdir, metrics and printed output."""
     workdir = tmp_path_factory.mktemp("run")
-    return workdir, train_lm.train_and_evaluate(_tiny(train_lm), workdir)
+    code, out = _run(train_lm, "--workdir", workdir)
+    assert code == 0, out
+    return workdir, _metrics(workdir), out
+
+
+@pytest.fixture
+def copied_run(first_run, tmp_path):
+    """A copy of the first run's workdir, for a test to resume, refuse or overwrite."""
+    workdir = tmp_path / "run"
+    shutil.copytree(first_run[0], workdir)
+    return workdir
 
 
 def test_loss_decreases_and_outputs_are_written(first_run):
-    workdir, metrics = first_run
+    workdir, metrics, out = first_run
     losses = metrics["train_loss"]
     assert len(losses) == 12 and len(metrics["step_time"]) == 12
     assert np.mean(losses[-3:]) < losses[0] - 0.3
     evals = [e["loss"] for e in metrics["eval"]]
     assert [e["step"] for e in metrics["eval"]] == [4, 8, 12]
     assert evals[-1] < evals[0]
-    assert json.loads((workdir / "metrics.json").read_text())["train_loss"] == losses
     assert (workdir / "loss.png").stat().st_size > 10_000
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["12", "8"]
     # Byte entropy of real text sits between 2 and 5 nats.
     assert 2.0 < metrics["unigram_entropy"] < 5.0
+    # The config beside the checkpoints, with the schedule the run trained on.
+    config = json.loads((workdir / "config.json").read_text())
+    assert config == metrics["config"]
+    assert (config["steps"], config["schedule_steps"], config["warmup_steps"]) == (12, 12, 1)
+    # The last lines say where everything is.
+    assert out.splitlines()[-4:] == [
+        f"checkpoints: {workdir / 'checkpoints'} (steps 8, 12; --resume continues the latest)",
+        f"config:      {workdir / 'config.json'}",
+        f"metrics:     {workdir / 'metrics.json'}",
+        f"plot:        {workdir / 'loss.png'}",
+    ]
+    assert "final validation loss" in out and "resumed" not in out
 
 
-def test_resume_continues_with_the_same_data_order(train_lm, first_run, tmp_path):
-    workdir, metrics = first_run
-    crashed = tmp_path / "crashed"
-    shutil.copytree(workdir, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "12")  # the run died after step 8's checkpoint
-    resumed = train_lm.train_and_evaluate(_tiny(train_lm), crashed, resume=True)
-    assert resumed["resumed_from"] == 8
-    assert resumed["train_loss"][:8] == metrics["train_loss"][:8]
-    np.testing.assert_allclose(resumed["train_loss"][8:], metrics["train_loss"][8:], rtol=1e-5)
-    np.testing.assert_allclose(resumed["final_eval_loss"], metrics["final_eval_loss"], rtol=1e-5)
+@pytest.mark.parametrize("remove", [None, "config.json"])
+def test_a_workdir_that_holds_a_run_needs_resume_or_overwrite(train_lm, capsys, copied_run, remove):
+    before = _snapshot(copied_run)
+    if remove is None:
+        code, _ = _run(train_lm, "--workdir", copied_run)
+        expected = ["already holds a run (checkpoints at steps 8, 12", "--resume", "--overwrite"]
+    else:  # e.g. checkpoints written by an older version: nothing to check them against
+        (copied_run / remove).unlink()
+        before = _snapshot(copied_run)
+        code, _ = _run(train_lm, "--workdir", copied_run, "--resume")
+        expected = ["holds checkpoints at steps 8, 12", "but no config.json", "--overwrite"]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert all(text in err for text in expected), err
+    assert _snapshot(copied_run) == before  # refused before touching anything
+
+
+@pytest.mark.parametrize("steps", [12, 6])
+def test_resume_at_or_past_the_last_step_trains_nothing(train_lm, copied_run, steps):
+    before = _snapshot(copied_run)
+    # --steps and --eval-every may differ on resume; the rest of the config is the run's.
+    code, out = _run(
+        train_lm, "--workdir", copied_run, "--resume", f"--steps={steps}", "--eval-every=2"
+    )
+    assert code == 0
+    assert out.startswith(
+        f"nothing to train: the run in {copied_run} is at step 12 and --steps is {steps}"
+    )
+    assert "final validation loss" not in out and f"plot:        {copied_run}" in out
+    assert _snapshot(copied_run) == before
+
+
+def test_resume_refuses_another_config_and_names_the_fields(train_lm, capsys, copied_run):
+    before = _snapshot(copied_run)
+    argv = ["--resume", "--d-model=64", "--seed=1", "--schedule-steps=20", "--steps=20"]
+    code, _ = _run(train_lm, "--workdir", copied_run, *argv)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "differs from the run saved in" in err and "--overwrite" in err
+    for field in ("d_model (saved 32, now 64)", "seed (saved 0, now 1)", "schedule_steps"):
+        assert field in err
+    assert "steps (saved" not in err.replace("schedule_steps", "")  # steps may differ
+    assert _snapshot(copied_run) == before
+
+
+def test_resume_keeps_the_saved_schedule(train_lm, first_run):
+    """--steps moves where a resumed run stops; its learning-rate schedule stays the one
+    it started with, so an extended run does not restart its warmup and decay."""
+    workdir = first_run[0]
+    resumed = train_lm.plan_run(_tiny(train_lm, steps=30), workdir, resume=True, overwrite=False)
+    assert (resumed.steps, resumed.schedule_steps, resumed.warmup_steps) == (30, 12, 1)
+    fresh = train_lm.plan_run(_tiny(train_lm, steps=30), workdir, resume=False, overwrite=True)
+    assert (fresh.steps, fresh.schedule_steps, fresh.warmup_steps) == (30, 30, 3)
+
+
+def test_overwrite_then_a_planned_stop_resumes_exactly(train_lm, first_run, copied_run):
+    _, uninterrupted, _ = first_run
+    # Start afresh, and stop at step 8 on the 12-step schedule of the uninterrupted run.
+    code, out = _run(
+        train_lm, "--workdir", copied_run, "--overwrite", "--steps=8", "--schedule-steps=12"
+    )
+    assert code == 0
+    assert out.startswith(f"--overwrite: removed the previous run in {copied_run} (checkpoints")
+    assert train_lm.checkpoint_steps(copied_run) == [4, 8]  # the old run's 12 is gone
+    stopped = _metrics(copied_run)
+    assert stopped["resumed_from"] is None and len(stopped["train_loss"]) == 8
+    np.testing.assert_allclose(
+        stopped["train_loss"], uninterrupted["train_loss"][:8], rtol=SAME_RUN
+    )
+
+    code, out = _run(train_lm, "--workdir", copied_run, "--resume")  # --steps=12
+    assert code == 0
+    assert out.startswith(f"resumed from step 8 of {copied_run / 'checkpoints'}")
+    resumed = _metrics(copied_run)
+    assert resumed["resumed_from"] == 8 and resumed["steps_trained"] == 4
+    assert resumed["train_loss"][:8] == stopped["train_loss"]
+    np.testing.assert_allclose(resumed["train_loss"], uninterrupted["train_loss"], rtol=SAME_RUN)
+    np.testing.assert_allclose(
+        resumed["final_eval_loss"], uninterrupted["final_eval_loss"], rtol=SAME_RUN
+    )
+    assert json.loads((copied_run / "config.json").read_text())["steps"] == 12
+
+
+# Runs the example's command line and kills the process with SIGKILL, as `kill -9` or a
+# preempted machine would, when it reaches a given step: no cleanup, no final files.
+_KILLED_AT_STEP = """
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("train_lm", sys.argv[1])
+train_lm = importlib.util.module_from_spec(spec)
+sys.modules["train_lm"] = train_lm
+spec.loader.exec_module(train_lm)
+kill_at, batch_at = int(sys.argv[2]), train_lm.batch_at
+
+def batch_or_die(tokens, step, cfg, seed):
+    if step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return batch_at(tokens, step, cfg, seed)
+
+train_lm.batch_at = batch_or_die
+sys.exit(train_lm.main(sys.argv[3:]))
+"""
+
+
+def test_a_killed_run_resumes_to_the_final_loss_of_an_uninterrupted_one(
+    train_lm, first_run, tmp_path
+):
+    _, uninterrupted, _ = first_run
+    workdir = tmp_path / "killed"
+    argv = [sys.executable, "-c", _KILLED_AT_STEP, str(EXAMPLE), "9", *TINY]
+    killed = subprocess.run(
+        [*argv, f"--workdir={workdir}"], capture_output=True, text=True, timeout=600
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    # Killed in step 9: step 4 is saved (orbax finishes a save before it starts the
+    # next), step 8 too unless the kill caught it half-written; no metrics, no plot.
+    saved = train_lm.checkpoint_steps(workdir)
+    assert saved[-1] in (4, 8), saved
+    assert not (workdir / "metrics.json").exists() and (workdir / "config.json").exists()
+
+    code, out = _run(train_lm, "--workdir", workdir, "--resume")
+    assert code == 0
+    assert out.startswith(f"resumed from step {saved[-1]} of {workdir / 'checkpoints'}")
+    resumed = _metrics(workdir)
+    assert resumed["resumed_from"] == saved[-1] and len(resumed["train_loss"]) == 12
+    np.testing.assert_allclose(resumed["train_loss"], uninterrupted["train_loss"], rtol=SAME_RUN)
+    np.testing.assert_allclose(
+        resumed["final_eval_loss"], uninterrupted["final_eval_loss"], rtol=SAME_RUN
+    )
+
+
+def test_compare_refuses_before_training_any_norm(train_lm, tmp_path):
+    (tmp_path / "layernorm").mkdir()
+    (tmp_path / "layernorm" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="layernorm already holds a run"):
+        train_lm.compare(_tiny(train_lm), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layernorm"]
 
 
 def test_data_and_model_mesh_on_eight_devices(train_lm, first_run, tmp_path):
@@ -85,9 +269,11 @@ def test_data_and_model_mesh_on_eight_devices(train_lm, first_run, tmp_path):
             f"needs 8 devices of the default backend (train_lm builds its mesh from "
             f"jax.devices()); {jax.default_backend()} has {jax.device_count()}"
         )
-    _, metrics = first_run
+    _, metrics, _ = first_run
     assert metrics["mesh"] == {"data": 8, "model": 1}
-    split = train_lm.train_and_evaluate(_tiny(train_lm, mesh=(4, 2), steps=4), tmp_path)
+    split = train_lm.train_and_evaluate(
+        _tiny(train_lm, mesh=(4, 2), steps=4, schedule_steps=12), tmp_path
+    )
     assert split["mesh"] == {"data": 4, "model": 2}
     # Same seed, data and maths: the losses agree with the data-parallel run.
     np.testing.assert_allclose(split["train_loss"], metrics["train_loss"][:4], rtol=2e-3)
@@ -107,6 +293,8 @@ def test_other_norms_train(train_lm, tmp_path, norm):
         (["--norm", "batchnorm"], "invalid choice"),
         (["--mesh", "two"], "--mesh takes DATA,MODEL"),
         (["--d-model", "30", "--num-heads", "4"], "must be divisible by --num-heads"),
+        (["--schedule-steps", "0"], "--schedule-steps must be >= 1"),
+        (["--resume", "--overwrite"], "argument --overwrite: not allowed with argument --resume"),
     ],
 )
 def test_bad_flags_exit_with_a_message(train_lm, capsys, argv, message):
