@@ -34,7 +34,17 @@ from ._functional import (
     _static_float,
     normalize_axes,
 )
-from ._vjp import NormConfig, backward_parts, match_vma, normalized, output, row_statistic
+from ._linear import tangents_of
+from ._vjp import (
+    NormConfig,
+    backward_parts,
+    match_vma,
+    normalized,
+    output,
+    output_tangent,
+    row_statistic,
+    tangent_parts,
+)
 
 # ---------------------------------------------------------------- residual add
 
@@ -54,7 +64,7 @@ class AddConfig:
     residual_type: Any
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def add_rms_norm_core(cfg: NormConfig, acfg: AddConfig, x, residual, scale, bias, mask):
     """``(rms_norm(h), h)`` with ``h = x + residual`` in ``acfg.residual_dtype``."""
     return _add_fwd(cfg, acfg, x, residual, scale, bias, mask)[0]
@@ -78,7 +88,28 @@ def _add_bwd(cfg, acfg, saved, cotangents):
     return dx, dresidual, dscale, dbias, None
 
 
-add_rms_norm_core.defvjp(_add_fwd, _add_bwd)
+def add_tangent(cfg, acfg, res, tangents):
+    """The tangents of ``(y, h)``: ``dh = dx + dresidual``, ``dy = T(h; dh, ...)``."""
+    h, scale, mask, row_stat = res
+    dx, dresidual, dscale, dbias = tangents
+    parts = [t.astype(acfg.residual_dtype) for t in (dx, dresidual) if t is not None]
+    dh = None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    dy = tangent_parts(cfg, h, scale, mask, row_stat, dh, dscale, dbias)
+    dh_out = jnp.zeros(h.shape, acfg.residual_dtype) if dh is None else dh
+    return [output_tangent(cfg, dy), dh_out]
+
+
+@functools.partial(add_rms_norm_core.defjvp, symbolic_zeros=True)
+def _add_jvp(cfg, acfg, primals, tangents):
+    outs, res = _add_fwd(cfg, acfg, *primals)
+    dy, dh = tangents_of(
+        outs,
+        res,
+        tangents[:4],
+        lambda res, t: add_tangent(cfg, acfg, res, t),
+        lambda res, cts: _add_bwd(cfg, acfg, res, cts)[:4],
+    )
+    return outs, (dy, dh)
 
 
 # ---------------------------------------------------------------- gated
@@ -103,7 +134,7 @@ def _activation(gcfg: GateConfig, gate: jax.Array) -> tuple[jax.Array, jax.Array
     return gate * sig, sig * (1 + gate * (1 - sig))  # silu
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def gated_rms_norm_core(cfg: NormConfig, gcfg: GateConfig, x, gate, scale, bias):
     """``norm(x) * act(gate)`` (``norm_before_gate``) or ``norm(x * act(gate))``."""
     return _gated_fwd(cfg, gcfg, x, gate, scale, bias)[0]
@@ -144,7 +175,39 @@ def _gated_bwd(cfg, gcfg, saved, dy):
     return dx, dgate, dscale, dbias
 
 
-gated_rms_norm_core.defvjp(_gated_fwd, _gated_bwd)
+def _gated_tangent(cfg, gcfg, res, tangents):
+    x, gate, scale, bias, row_stat = res
+    dx, dgate, dscale, dbias = tangents
+    cd = cfg.compute_dtype
+    act, act_grad = _activation(gcfg, gate.astype(cd))
+    dgate = None if dgate is None else dgate.astype(cd)
+    if gcfg.norm_before_gate:
+        # y = n * a: dy = dn * a + n * a' * dgate.
+        dy = tangent_parts(cfg, x, scale, None, row_stat, dx, dscale, dbias) * act
+        if dgate is not None:
+            dy = dy + normalized(cfg, x, scale, bias, row_stat) * act_grad * dgate
+    else:
+        # y = norm(v), v = x * a: dv = dx * a + x * a' * dgate.
+        v = x.astype(cd) * act
+        parts = [dx.astype(cd) * act] if dx is not None else []
+        if dgate is not None:
+            parts.append(x.astype(cd) * act_grad * dgate)
+        dv = None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        dy = tangent_parts(cfg, v, scale, None, row_stat, dv, dscale, dbias)
+    return [output_tangent(cfg, dy)]
+
+
+@functools.partial(gated_rms_norm_core.defjvp, symbolic_zeros=True)
+def _gated_jvp(cfg, gcfg, primals, tangents):
+    y, res = _gated_fwd(cfg, gcfg, *primals)
+    (dy,) = tangents_of(
+        [y],
+        res,
+        tangents,
+        lambda res, t: _gated_tangent(cfg, gcfg, res, t),
+        lambda res, cts: _gated_bwd(cfg, gcfg, res, cts[0]),
+    )
+    return y, dy
 
 
 # ---------------------------------------------------------------- public functions

@@ -34,6 +34,7 @@ from ._backends import (
     two_stage_column_sum,
     vma,
 )
+from ._linear import tangents_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,15 +360,62 @@ def backward_parts(cfg: NormConfig, x, scale, mask, row_stat, dy):
     return dx, dscale, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def tangent_parts(cfg: NormConfig, x, scale, mask, row_stat, dx, dscale, dbias):
+    """The tangent map ``T``: the tangent of ``y`` for tangents ``dx``, ``dscale``,
+    ``dbias`` (None where zero), linear in them, in the compute dtype.
+
+    With ``r`` the inverse RMS, ``S`` and ``k`` as in :func:`backward_parts` and
+    ``m = (1/k) sum_{j in S} x_j dx_j``: ``dr = -r**2 * alpha * m`` (``alpha = r``
+    inside, ``1/s`` outside, 0 for an all-zero row) and
+
+        dy = (scale + offset) * (r * dx + x * dr) + dscale * x * r + dbias.
+
+    Its transpose is :func:`backward_parts` (the adjoint identity is tested).
+    """
+    cd = cfg.compute_dtype
+    inv_rms = _inv_rms(cfg, row_stat)
+    dy = jnp.zeros(x.shape, cd)
+    if dx is not None:
+        dx_c = dx.astype(cd)
+        membership = _membership(cfg, x.shape, mask)
+        dx_s = dx_c if membership is None else jnp.where(membership, dx_c, 0)
+        mean = _row_sum_of_products(cfg, x.astype(cd), dx_s) * _inv_count(cfg, x.shape, mask)
+        if cfg.inside:
+            alpha = inv_rms
+        else:
+            safe = jnp.where(row_stat > 0, row_stat, 1.0)
+            alpha = jnp.where(row_stat > 0, 1.0 / safe, 0.0)
+        d_inv_rms = -(inv_rms * inv_rms) * alpha * mean
+        dy = _scaled(cfg, dx_c * inv_rms + x.astype(cd) * d_inv_rms, scale)
+    if dscale is not None:
+        dy = dy + dscale.astype(cd) * (x.astype(cd) * inv_rms)
+    if dbias is not None:
+        dy = dy + dbias.astype(cd)
+    return dy
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def rms_norm_core(cfg: NormConfig, x, scale, bias, mask):
-    """RMSNorm of validated arrays; differentiable by the analytic backward rule."""
+    """RMSNorm of validated arrays: forward mode by :func:`tangent_parts`, reverse mode
+    by the analytic backward rule (``_linear``)."""
     return _forward(cfg, x, scale, bias, mask)[0]
 
 
-def _fwd_rule(cfg: NormConfig, x, scale, bias, mask):
+@functools.partial(rms_norm_core.defjvp, symbolic_zeros=True)
+def _jvp_rule(cfg: NormConfig, primals, tangents):
+    x, scale, bias, mask = primals
     y, row_stat = _forward(cfg, x, scale, bias, mask)
-    return y, (x, scale, mask, row_stat)
+
+    def tangent(res, dparams):
+        return [output_tangent(cfg, tangent_parts(cfg, *res, *dparams))]
+
+    def backward(res, cts):
+        return _backward(cfg, res, cts[0])[:3]
+
+    (dy,) = tangents_of([y], (x, scale, mask, row_stat), tangents[:3], tangent, backward)
+    return y, dy
 
 
-rms_norm_core.defvjp(_fwd_rule, _backward)
+def output_tangent(cfg: NormConfig, dy: jax.Array) -> jax.Array:
+    """A tangent of ``y`` in the output dtype."""
+    return dy.astype(cfg.out_dtype)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, oracle_value_and_grads, to64, tol
+from helpers import assert_close, offset_normal, oracle_value_and_grads, to64, tol
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -324,10 +324,15 @@ def test_grad_of_grad_and_hessian_match_oracle(x64):
     chex.assert_trees_all_close(gg(x), gg_ref(x), rtol=1e-10, atol=1e-10)
 
 
-def test_plain_forward_mode_is_documented_to_raise():
-    x = jnp.ones((2, 4))
-    with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(rms_norm, (x,), (x,))
+def test_forward_mode_against_the_plain_formula(x64):
+    """jvp of rms_norm is the plain formula's jvp (forward mode: tests/test_forward_mode.py)."""
+    from rmsnorm_jax.reference import rms_norm_reference
+
+    x = offset_normal((2, 5), jnp.float64)
+    dx = offset_normal((2, 5), jnp.float64, seed=1)
+    got = jax.jvp(rms_norm, (x,), (dx,))
+    want = jax.jvp(rms_norm_reference, (x,), (dx,))
+    chex.assert_trees_all_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------- bad input

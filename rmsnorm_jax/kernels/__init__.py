@@ -16,8 +16,9 @@ platform with no kernel (ROCm), that backend computes the call with the XLA path
 
 The residuals kept for the backward pass are the XLA path's: ``x`` (``h`` for the
 residual form), ``scale`` and the per-row float32 statistic, named ``"rms_norm_stat"``;
-``y`` is named ``"rms_norm_out"``. The backward rule is first order only: differentiating
-it again (grad-of-grad, ``jax.hessian``) raises; use ``implementation="xla"`` there.
+``y`` is named ``"rms_norm_out"``. Forward mode is the XLA tangent map around the
+kernels' output; reverse mode its transpose, the kernel backward (``_linear``). A kernel
+differentiated again (grad-of-grad, ``jax.hessian``) differentiates as its XLA twin.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from .._backends import vma
+from .._linear import tangents_of
 from .._vjp import (
     OUT_NAME,
     STAT_NAME,
@@ -41,7 +43,9 @@ from .._vjp import (
     match_vma,
     normalized,
     output,
+    output_tangent,
     row_statistic,
+    tangent_parts,
 )
 from ._dispatch import IMPLEMENTATIONS, MEASURED, Measurement, check_implementation, use_kernels
 from ._sharding import ROWS, STAT, SUM, rowwise
@@ -204,7 +208,10 @@ def _forward_op(cfg, spec, h_dtype, x, residual, scale, bias):
             outs = op(x, residual, scale, bias)
         return outs, tuple(True for _ in outs)
 
-    return _first_order(op)(x, residual, scale, bias)
+    def xla(x, residual, scale, bias):
+        return tuple(local([x, residual], [scale, bias], xla_only=True))
+
+    return _with_xla_derivative(op, xla)(x, residual, scale, bias)
 
 
 def _backward_op(cfg, spec, dx_dtype, x, dy, stat, dh, scale):
@@ -225,28 +232,26 @@ def _backward_op(cfg, spec, dx_dtype, x, dy, stat, dh, scale):
         )(x, dy, stat, dh, scale)
         return outs, tuple(True for _ in outs)
 
-    return _first_order(op)(x, dy, stat, dh, scale)
+    def xla(x, dy, stat, dh, scale):
+        return tuple(local([x, dy, stat, dh], [scale], xla_only=True))
+
+    return _with_xla_derivative(op, xla)(x, dy, stat, dh, scale)
 
 
-def _first_order(fn):
-    """``fn``, refusing to be differentiated with a clear error: a kernel call has no
-    derivative rule, so grad-of-grad needs the XLA path."""
+def _with_xla_derivative(kernel_fn, xla_fn):
+    """``kernel_fn``, differentiated as ``xla_fn`` (the same function in XLA): a kernel
+    call has no derivative of its own, and is differentiated only when a derivative is
+    differentiated again (grad-of-grad, ``jax.hessian``, jvp of grad)."""
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def wrapped(*args):
-        return fn(*args)
+        return kernel_fn(*args)
 
-    def fwd(*args):
-        return fn(*args), None
+    @wrapped.defjvp
+    def _jvp(primals, tangents):
+        _, out_dot = jax.jvp(xla_fn, primals, tangents)
+        return wrapped(*primals), out_dot
 
-    def bwd(_, cts):
-        raise TypeError(
-            "the fused kernels cannot be differentiated twice (grad-of-grad, jax.hessian): "
-            "their gradient is a kernel of its own; call with implementation='xla' for "
-            "higher-order derivatives."
-        )
-
-    wrapped.defvjp(fwd, bwd)
     return wrapped
 
 
@@ -271,7 +276,7 @@ def _param_vector(a, n):
 # ---------------------------------------------------------------- rms_norm
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def rms_norm_kernel(cfg: NormConfig, spec: KernelSpec, x, scale, bias):
     """``rms_norm`` of validated arrays by the fused kernels (see the module doc)."""
     return _fwd(cfg, spec, x, scale, bias)[0]
@@ -294,13 +299,27 @@ def _bwd(cfg, spec, residuals, dy):
     return match_vma(dx, vma(jax.typeof(x))), dscale, dbias
 
 
-rms_norm_kernel.defvjp(_fwd, _bwd)
+@functools.partial(rms_norm_kernel.defjvp, symbolic_zeros=True)
+def _jvp(cfg, spec, primals, tangents):
+    """Forward mode by the XLA tangent map around the kernel's output; reverse mode by
+    its transpose, the kernel backward (``_linear``)."""
+    y, res = _fwd(cfg, spec, *primals)
+
+    def tangent(res, dparams):
+        x, scale, stat = res
+        return [output_tangent(cfg, tangent_parts(cfg, x, scale, None, stat, *dparams))]
+
+    def backward(res, cts):
+        return _bwd(cfg, spec, res, cts[0])
+
+    (dy,) = tangents_of([y], res, tangents, tangent, backward)
+    return y, dy
 
 
 # ---------------------------------------------------------------- add_rms_norm
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def add_rms_norm_kernel(cfg: NormConfig, spec: KernelSpec, acfg, x, residual, scale, bias):
     """``add_rms_norm`` of validated arrays by the fused kernels: ``(y, h)``."""
     return _add_fwd(cfg, spec, acfg, x, residual, scale, bias)[0]
@@ -334,4 +353,18 @@ def _add_bwd(cfg, spec, acfg, residuals, cotangents):
     return dx, dresidual, dscale, dbias
 
 
-add_rms_norm_kernel.defvjp(_add_fwd, _add_bwd)
+@functools.partial(add_rms_norm_kernel.defjvp, symbolic_zeros=True)
+def _add_jvp(cfg, spec, acfg, primals, tangents):
+    from .._fused import add_tangent
+
+    outs, res = _add_fwd(cfg, spec, acfg, *primals)
+
+    def tangent(res, dparams):
+        h, scale, stat = res
+        return add_tangent(cfg, acfg, (h, scale, None, stat), dparams)
+
+    def backward(res, cts):
+        return _add_bwd(cfg, spec, acfg, res, cts)
+
+    dy, dh = tangents_of(outs, res, tangents, tangent, backward)
+    return outs, (dy, dh)
