@@ -1,6 +1,6 @@
 """rmsnorm_jax: RMSNorm and partial RMSNorm for JAX and Flax.
 
-``rms_norm`` is the pure function (analytic ``custom_vjp``); ``RMSNorm`` the Flax linen
+``rms_norm`` is the pure function (analytic backward, forward mode too); ``RMSNorm`` the Flax linen
 Module; ``rmsnorm_jax.nnx.RMSNorm`` its NNX twin.
 """
 

@@ -1,4 +1,4 @@
-"""``rms_norm``: argument checks, the dtype policy, and the call into the custom_vjp core."""
+"""``rms_norm``: argument checks, the dtype policy, and the call into the differentiable core."""
 
 from __future__ import annotations
 
@@ -155,13 +155,12 @@ def rms_norm(
     touch the statistic. A row with no True position has ``ms = 0``, like an all-zero
     row (finite, eps-limited).
 
-    The gradient is a ``jax.custom_vjp`` with the analytic backward pass; the
-    residuals it keeps are ``x``, ``scale`` and one float32 per row, nothing else of
-    full size (plus ``mask`` in its given, possibly broadcast, shape and dtype, when
-    one is given). It composes with ``jit``, ``vmap``, ``lax.scan``,
-    ``jax.checkpoint``, grad-of-grad and ``jax.hessian``; plain forward mode
-    (``jax.jvp``, ``jax.jacfwd`` on its own) does not go through a ``custom_vjp`` and
-    raises.
+    The gradient is the analytic backward pass (reverse mode transposes the tangent
+    map into it: ``docs/derivatives.md``); the residuals it keeps are ``x``, ``scale``
+    and one float32 per row, nothing else of full size (plus ``mask`` in its given,
+    possibly broadcast, shape and dtype, when one is given). It composes with ``jit``,
+    ``vmap``, ``lax.scan``, ``jax.checkpoint``, forward mode (``jax.jvp``,
+    ``jax.jacfwd``, ``jax.linearize``), grad-of-grad and ``jax.hessian``.
 
     Dtypes: the statistics and the normalisation are computed in
     ``promote_types(result_type(x, scale, bias), float32)`` (float64 stays float64),
@@ -197,7 +196,8 @@ def rms_norm(
         backward, where the call fits them: the last axis normalized alone, no
         ``mask``, no ``axis_name``, float32/bfloat16/float16 input, ``scale`` and
         ``bias`` of one value per feature, a row that fits a kernel block; otherwise
-        XLA. Their backward is first order only (grad-of-grad raises). ``"auto"``
+        XLA. Differentiated again (grad-of-grad), a kernel differentiates as its XLA
+        twin. ``"auto"``
         (default): the kernels only where a measurement on hardware found them faster
         (``rmsnorm_jax.kernels.MEASURED``, empty so far: XLA everywhere).
 

@@ -248,7 +248,7 @@ def add_rms_norm(
         y = rms_norm(h, scale, eps, ...)       # every rms_norm option
         return y, h
 
-    The gradient is an analytic ``custom_vjp``: ``dh = (norm backward of dy) +
+    The gradient is analytic (forward mode too): ``dh = (norm backward of dy) +
     (cotangent of h)``, returned to ``x`` and to ``residual`` each in its own dtype.
     Residuals kept for the backward pass: ``h``, ``scale`` and one float32 per row,
     no more than :func:`rms_norm` keeps (autodiff of ``rms_norm(x + r)`` keeps the same
@@ -342,7 +342,7 @@ def gated_rms_norm(
     axis (one per row and group, as in Mamba2's grouped norm); ``scale`` and ``bias``
     stay per feature.
 
-    The gradient is an analytic ``custom_vjp`` for ``x``, ``gate``, ``scale`` and
+    The gradient is analytic (forward mode too) for ``x``, ``gate``, ``scale`` and
     ``bias``. Residuals kept for the backward pass: ``x``, ``gate``, ``scale`` (and
     ``bias``) and one float32 per row and group; ``act(gate)`` and the normalized
     values are recomputed. (Autodiff of ``norm(x) * silu(z)`` keeps full-size float32

@@ -289,7 +289,7 @@ def match_vma(ct: jax.Array, target_vma: frozenset) -> jax.Array:
 
 
 def _backward(cfg: NormConfig, residuals, dy):
-    """The custom_vjp backward rule: :func:`backward_parts`, ``dx`` in ``x``'s type."""
+    """The backward rule B: :func:`backward_parts`, ``dx`` in ``x``'s type."""
     x, scale, mask, row_stat = residuals
     dx, dscale, dbias = backward_parts(cfg, x, scale, mask, row_stat, dy)
     dx = match_vma(dx.astype(x.dtype), vma(jax.typeof(x)))

@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
     Drop-in for ``flax.linen.RMSNorm``: the same fields with the same names, defaults
     and meaning, the same parameter tree (``scale``, shape = the feature axes), the
     same results; plus ``p``, ``use_bias``, ``scale_offset``, ``eps_placement`` and
-    ``logical_axes``. The gradient is the analytic ``custom_vjp`` of
+    ``logical_axes``. The gradient is the analytic backward rule of
     :func:`rmsnorm_jax.rms_norm`, which keeps only ``x``, ``scale`` and one float32
     per row for the backward pass.
 
