@@ -1,5 +1,6 @@
-"""Executes notebooks/rmsnorm_tour.ipynb from scratch in a fresh kernel."""
+"""Executes notebooks/rmsnorm_tour.ipynb from scratch in a fresh kernel, away from the checkout."""
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -8,13 +9,18 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tour_notebook_executes():
+def test_tour_notebook_executes_anywhere_and_writes_only_to_a_temporary_directory(tmp_path):
     path = ROOT / "notebooks" / "rmsnorm_tour.ipynb"
     nb = nbformat.read(path, as_version=4)
-    # A fresh kernel: the notebook sets its own XLA_FLAGS before importing jax.
+    elsewhere = tmp_path / "cwd"  # the kernel starts here: not notebooks/, not the checkout
+    temp = tmp_path / "tmp"  # tempfile's directory in the kernel
+    elsewhere.mkdir()
+    temp.mkdir()
+    notebooks_before = sorted(path.parent.iterdir())
+    # A fresh kernel: the notebook sets its own JAX_PLATFORMS and XLA_FLAGS before jax.
     NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    ).execute()
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(elsewhere)}}
+    ).execute(env={**os.environ, "TMPDIR": str(temp)})
     errors = [
         o
         for c in nb.cells
@@ -30,3 +36,22 @@ def test_tour_notebook_executes():
         for o in c.get("outputs", [])
     )
     assert images == 4  # sections 2, 4, 6 and 8 each draw one figure
+    printed = "".join(
+        o.get("text", "")
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("name") == "stdout"
+    )
+    # Its files went under tempfile's directory, and its last cell removed them.
+    assert f"files go to: {temp}{os.sep}rmsnorm_tour_" in printed
+    assert list(temp.iterdir()) == []
+    assert list(elsewhere.iterdir()) == []
+    assert sorted(path.parent.iterdir()) == notebooks_before
+    # Every training line says which norm it belongs to.
+    training_lines = [line for line in printed.splitlines() if "nats/byte" in line]
+    assert len(training_lines) == 4 * 6  # 4 runs, 6 evaluations each
+    for line in training_lines:
+        label, _, rest = line.partition(" | ")
+        assert label.strip().split(",")[0] in ("rmsnorm", "prmsnorm", "layernorm"), line
+        assert rest.startswith("step "), line
