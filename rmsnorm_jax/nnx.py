@@ -179,11 +179,17 @@ class RMSNorm(nnx.Module):
         rngs: nnx.Rngs,
         **kwargs: Any,
     ) -> RMSNorm:
-        r"""Gemma's (and MaxText's ``scale_offset=1``) zero-centred RMSNorm, in one line.
+        r"""Gemma's zero-centred RMSNorm, ``x_hat * (1 + scale)``, in one line.
 
         ``y = x / sqrt(mean(x**2) + epsilon) * (1 + scale)`` over the last axis, with
         ``scale`` initialised to zeros, so the stored parameter is the one such models
-        (and their checkpoints) store: load it as it is. The statistic, the
+        (Google's Gemma code, and their checkpoints) store: load it as it is.
+
+        Not for MaxText: MaxText's ``RMSNorm`` computes ``x_hat * scale`` (its Gemma
+        converters fold the ``+1`` into the stored scale; only Qwen3-Next uses
+        ``scale_offset=1``), so this would add a second ``+1`` to its parameters. Use
+        :func:`rmsnorm_jax.integrations.patch_maxtext`, which keeps MaxText's own
+        Module and parameters. The statistic, the
         normalisation and ``1 + scale`` are computed in float32 (at least), then cast
         to ``dtype``; ``x`` and ``scale`` are not cast to ``dtype`` first (no
         ``promote_dtype``), so ``1 + scale`` keeps the weight's precision. Output
