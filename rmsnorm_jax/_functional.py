@@ -58,7 +58,7 @@ def _static_float(name: str, value: Any, accepted: str) -> float:
             f"{name} is a traced value; it must be a static Python float ({accepted}). "
             f"Pass it as a constant (or mark it static in jax.jit with static_argnames)."
         )
-    if not isinstance(value, bool):
+    if not isinstance(value, (bool, str, bytes)):
         try:
             return float(value)
         except (TypeError, ValueError):
@@ -104,6 +104,13 @@ def _broadcasts_to(shape: tuple[int, ...], x_shape: tuple[int, ...]) -> bool:
 def _check_param(name: str, value: Any, x_shape: tuple[int, ...]):
     if value is None:
         return None
+    if isinstance(value, (int, float)) and name == "scale":
+        raise TypeError(
+            f"scale must be an array (one value per normalized feature), got the Python "
+            f"number {value!r}. If it is the epsilon, pass it as eps: "
+            f"rms_norm(x, None, {value!r}) or rms_norm(x, eps={value!r}); for a constant "
+            f"gain, pass jnp.full((n,), {value!r})."
+        )
     arr = _as_float_array(name, value)
     if not _broadcasts_to(arr.shape, x_shape):
         raise ValueError(
@@ -187,7 +194,7 @@ def rms_norm(
         and of the backward cross term are ``psum``-ed over it. With ``p < 1`` the
         first ``k`` features are counted globally, which needs a single normalized
         axis split in device order.
-      mask: optional boolean (or integer 0/1) array that broadcasts to ``x``; an
+      mask: optional boolean array that broadcasts to ``x`` (other dtypes raise); an
         element enters the mean square where it is True. Not differentiated. Not
         combined with ``p < 1`` or ``axis_name`` (raises: the meaning is ambiguous).
       implementation: which path computes the norm. ``"xla"``: XLA's fusions of the
@@ -313,10 +320,11 @@ def _check_mask(mask: Any, x_shape: tuple[int, ...], p: float, axis_name: Any):
     if mask is None:
         return None
     arr = mask if isinstance(mask, jax.Array) else jnp.asarray(mask)
-    if not (arr.dtype == jnp.bool_ or jnp.issubdtype(arr.dtype, jnp.integer)):
+    if arr.dtype != jnp.bool_:
         raise TypeError(
             f"mask must be a boolean array (True where an element enters the mean "
-            f"square), got dtype {arr.dtype}; e.g. mask=(tokens != pad_id)."
+            f"square), got dtype {arr.dtype}; e.g. mask=(tokens != pad_id) or "
+            f"mask.astype(bool)."
         )
     if not _broadcasts_to(arr.shape, x_shape):
         raise ValueError(

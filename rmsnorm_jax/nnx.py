@@ -6,14 +6,14 @@ and ``implementation``. It calls :func:`rmsnorm_jax.rms_norm`, so its outputs an
 gradients equal the linen Module's on the same parameters.
 
 :meth:`RMSNorm.gemma` is the one-line swap for models that define their own zero-centred
-``(1 + scale)`` norm (Gemma, MaxText with ``scale_offset=1``): it takes their argument
-names (``weight_dtype``, ``scale_metadata``) and their semantics.
+``(1 + scale)`` norm (Gemma's code; MaxText's norm is ``x_hat * scale``, see
+``rmsnorm_jax.integrations.patch_maxtext``): it takes their argument names
+(``weight_dtype``, ``scale_metadata``) and their semantics.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -27,22 +27,6 @@ from flax.typing import Axes, Dtype, Initializer
 from ._module_utils import feature_param_shapes, normalize, unsupported_options
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
-
-
-def _warn_if_zero(scale: jax.Array) -> None:
-    """Warns when a concrete initial scale is all zeros (see :class:`RMSNorm`)."""
-    if isinstance(scale, jax.core.Tracer) or scale.size == 0:
-        return
-    if not bool(jnp.all(scale == 0)):
-        return
-    warnings.warn(
-        "RMSNorm: the scale is initialised to zeros and scale_offset=0, so the layer "
-        "outputs 0 for every input (y = x_hat * scale). For a Gemma-style zero-centred "
-        "scale, y = x_hat * (1 + scale), use RMSNorm.gemma(num_features, ...) or pass "
-        "scale_offset=1.0; for a unit gain, use scale_init=nnx.initializers.ones.",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 class RMSNorm(nnx.Module):
@@ -162,8 +146,6 @@ class RMSNorm(nnx.Module):
         self.norm_before_gate = norm_before_gate
         self.group_size = group_size
         self.implementation = implementation
-        if use_scale and scale_offset == 0:
-            _warn_if_zero(self.scale[...])
 
     @classmethod
     def gemma(

@@ -364,6 +364,11 @@ def test_forward_mode_against_the_plain_formula(x64):
         (dict(dtype=jnp.int8), TypeError, "dtype must be a floating dtype"),
         (dict(x=jnp.ones((2, 0))), ValueError, "hold no elements"),
         (dict(axis_name="model"), ValueError, "not a bound mapped axis"),
+        # rms_norm(x, 1e-5) would read the epsilon as the scale.
+        (dict(scale=1e-5), TypeError, r"Python number 1e-05.*rms_norm\(x, None, 1e-05\)"),
+        (dict(scale=2), TypeError, "scale must be an array"),
+        (dict(p="0.5"), TypeError, r"p must be a Python float \(in \(0, 1\]\), got '0.5'"),
+        (dict(eps="1e-6"), TypeError, "eps must be a Python float"),
     ],
 )
 def test_bad_input_raises_clear_error(kwargs, error, match):

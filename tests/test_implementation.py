@@ -193,6 +193,7 @@ def test_vmap_remat_and_second_derivative():
     policy = jax.checkpoint_policies.save_only_these_names("rms_norm_stat")
     remat = jax.checkpoint(loss("pallas"), policy=policy)
     _close(jax.grad(remat, (0, 1))(x[0], scale), jax.grad(loss("xla"), (0, 1))(x[0], scale), 2e-5)
+
     # Second order: the kernel backward differentiates as its XLA twin.
     def grad_of_grad(impl):
         return jax.grad(lambda s: jnp.sum(jax.grad(loss(impl), 1)(x[0], s) ** 2))(scale)
@@ -342,3 +343,29 @@ def test_h100_kernels_inside_a_checked_shard_map():
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
     text = target.compile(jax.jit(mapped), x, scale).as_text()
     assert text.count("__gpu$xla.gpu.triton") >= 2
+
+
+# ---------------------------------------------------------------- which path
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        (dict(implementation="xla"), r"^xla: implementation='xla'"),
+        (dict(implementation="auto"), r"^xla: 'auto' takes the kernels only where"),
+        (dict(mask=jnp.ones((4, 1000), bool)), r"^xla: the kernels do not take a mask"),
+        (dict(axis=0), r"^xla: .*normalized axes \(0,\)"),
+        (dict(x=jax.ShapeDtypeStruct((4, 1000), np.float64)), r"^xla: .*float64"),
+        (dict(scale=jnp.ones((4, 1000))), r"^xla: .*not one value per feature"),
+        (dict(), r"^pallas: GPU: Triton; TPU: Mosaic .*; CPU: interpret mode$"),
+        (dict(x=jax.ShapeDtypeStruct((4, 16384), jnp.float32)), r"^pallas: GPU: XLA \(the row"),
+    ],
+)
+def test_explain_names_the_path_and_why(kwargs, expected):
+    """``kernels.explain`` tells which path a call takes, and why, without running it."""
+    from rmsnorm_jax import kernels
+
+    args = dict(x=jax.ShapeDtypeStruct((4, 1000), jnp.float32))
+    args.update(kwargs)
+    with jax.enable_x64(args["x"].dtype == jnp.float64):
+        assert re.search(expected, kernels.explain(**args)), kernels.explain(**args)

@@ -99,11 +99,12 @@ def test_residuals_are_x_scale_mask_and_a_float_per_row():
     assert kept == x.nbytes + scale.nbytes + mask.nbytes + 64 * 4
 
 
-def test_integer_mask_is_accepted():
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32, jnp.uint8])
+def test_a_mask_must_be_boolean(dtype):
+    """An integer 0/1/2 or float mask is refused (never read as "non-zero"), naming the fix."""
     x, mask, scale, _, _ = _inputs((4, 8), (4, 8), jnp.float32)
-    np.testing.assert_array_equal(
-        rms_norm(x, scale, mask=mask.astype(jnp.int32)), rms_norm(x, scale, mask=mask)
-    )
+    with pytest.raises(TypeError, match=r"mask must be a boolean array.*astype\(bool\)"):
+        rms_norm(x, scale, mask=mask.astype(dtype) * 2)
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,13 @@
 """The one-line NNX swap for models with their own zero-centred norm (issue 20).
 
-``rmsnorm_jax.nnx.RMSNorm.gemma`` takes Gemma's and MaxText's argument names and their
-``(1 + scale)`` semantics; ``RMSNorm`` warns on the trap (a zero scale read as
-``x_hat * scale``). The oracle is each model's own formula, written here in float64.
+``rmsnorm_jax.nnx.RMSNorm.gemma`` takes Gemma's argument names and its ``(1 + scale)``
+semantics (MaxText's own norm is ``x_hat * scale``: tests/test_integrations.py); the trap
+it avoids is a zero-centred scale read as ``x_hat * scale``. The oracle is each model's own formula, written here in float64.
 """
 
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +28,7 @@ def gemma_formula64(x, scale):
 
 
 class GemmaStyleNorm(nnx.Module):
-    """A model's own norm, as Gemma's and MaxText's NNX code write it."""
+    """A model's own zero-centred norm, as Gemma's NNX code writes it."""
 
     def __init__(self, dim, *, weight_dtype=jnp.float32, scale_metadata=None, rngs):
         del rngs
@@ -132,25 +133,31 @@ def test_one_line_swap_in_a_gemma_style_model():
         assert np.abs(h).max() > 0
 
 
-def test_the_trap_warns_at_init():
-    """A renaming factory that passes Gemma's zeros init but not the offset computes
-    ``x_hat * scale``: with zero scales, an all-zero layer. It warns, naming the fix."""
-    with pytest.warns(UserWarning, match=r"RMSNorm\.gemma"):
-        trap = RMSNorm(16, scale_init=nnx.initializers.zeros, rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(trap(_x()), np.zeros((3, 5, 16), np.float32))
+@pytest.mark.parametrize("init", ["zeros", "ones"])
+def test_builds_like_flax_with_any_initializer_and_no_warning(init):
+    """What flax's own parametrized layer tests do (linear_test.py, TestLayersSameGraph,
+    warnings as errors): the layer built with zeros or ones initializers has flax's
+    parameters, metadata and outputs, and warns about nothing (flax does not)."""
+    initializer = getattr(nnx.initializers, init)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        ours = RMSNorm(16, scale_init=initializer, rngs=nnx.Rngs(0))
+        theirs = nnx.RMSNorm(16, scale_init=initializer, rngs=nnx.Rngs(0))
+        ours_state, theirs_state = nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param)
+        assert jax.tree.structure(ours_state) == jax.tree.structure(theirs_state)
+        chex.assert_trees_all_equal(ours_state, theirs_state)
+        assert type(ours.scale) is type(theirs.scale)
+        np.testing.assert_allclose(ours(_x()), theirs(_x()), rtol=1e-6, atol=1e-6)
+        # The trap is documented, not warned about: with zero scales, x_hat * scale is 0.
+        if init == "zeros":
+            np.testing.assert_array_equal(ours(_x()), np.zeros((3, 5, 16), np.float32))
         RMSNorm.gemma(16, rngs=nnx.Rngs(0))
-        RMSNorm(16, scale_init=nnx.initializers.zeros, scale_offset=1.0, rngs=nnx.Rngs(0))
-        RMSNorm(16, rngs=nnx.Rngs(0))
-        # Under eval_shape the value is abstract: nothing to check, no false alarm.
-        nnx.eval_shape(lambda: RMSNorm(16, scale_init=nnx.initializers.zeros, rngs=nnx.Rngs(0)))
+        nnx.eval_shape(lambda: RMSNorm(16, scale_init=initializer, rngs=nnx.Rngs(0)))
 
 
 def test_the_trap_on_loaded_parameters_is_wrong_by_far():
-    """What the warning prevents: trained zero-centred scales read as ``x_hat * s``."""
-    with pytest.warns(UserWarning):
-        trap = Block(16, _renaming_factory, rngs=nnx.Rngs(0))
+    """Why RMSNorm.gemma exists: trained zero-centred scales read as ``x_hat * s``."""
+    trap = Block(16, _renaming_factory, rngs=nnx.Rngs(0))
     own = Block(16, GemmaStyleNorm, rngs=nnx.Rngs(0))
     params = _trained_scales(own)
     nnx.update(own, params)

@@ -47,7 +47,15 @@ from .._vjp import (
     row_statistic,
     tangent_parts,
 )
-from ._dispatch import IMPLEMENTATIONS, MEASURED, Measurement, check_implementation, use_kernels
+from ._dispatch import (
+    IMPLEMENTATIONS,
+    MEASURED,
+    Measurement,
+    check_implementation,
+    kernel_spec,
+    use_kernels,
+    why_not_kernels,
+)
 from ._sharding import ROWS, STAT, SUM, rowwise
 from ._spec import KernelSpec
 
@@ -58,9 +66,73 @@ __all__ = [
     "Measurement",
     "add_rms_norm_kernel",
     "check_implementation",
+    "explain",
     "rms_norm_kernel",
     "use_kernels",
 ]
+
+
+def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas", **kwargs) -> str:
+    """Which path ``rms_norm(x, scale, eps, implementation=..., **kwargs)`` takes, and why.
+
+    The same arguments as :func:`rmsnorm_jax.rms_norm` (arrays or
+    ``jax.ShapeDtypeStruct``); nothing is computed. The answer names XLA with the
+    reason, or the kernels per platform: a GPU (Triton), a TPU (Mosaic, where a row fits
+    the generation's VMEM, decided when compiled) and a CPU (interpret mode), each with
+    the XLA fallback where a row does not fit.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from rmsnorm_jax.kernels import explain
+    >>> x = jax.ShapeDtypeStruct((8, 16384), jnp.bfloat16)
+    >>> for part in explain(x).split("; "):
+    ...     print(part)
+    pallas: GPU: XLA (the row does not fit the Triton kernels)
+    TPU: Mosaic where the row fits the generation's VMEM, else XLA
+    CPU: XLA (the row does not fit the Triton kernels)
+    >>> print(explain(x, mask=jnp.ones((8, 16384), bool)))
+    xla: the kernels do not take a mask
+    """
+    from .._functional import _norm_config
+    from . import gpu
+
+    implementation = check_implementation(implementation)
+    if implementation == "xla":
+        return "xla: implementation='xla'"
+    dtype = jnp.dtype(x.dtype)
+    cfg, scale, bias, mask = _norm_config(
+        x.shape,
+        dtype,
+        scale=scale,
+        eps=eps,
+        bias=kwargs.pop("bias", None),
+        axis=kwargs.pop("axis", -1),
+        p=kwargs.pop("p", 1.0),
+        scale_offset=kwargs.pop("scale_offset", 0.0),
+        eps_placement=kwargs.pop("eps_placement", "inside"),
+        dtype=kwargs.pop("dtype", None),
+        axis_name=kwargs.pop("axis_name", None),
+        mask=kwargs.pop("mask", None),
+    )
+    if kwargs:
+        raise TypeError(f"explain() got unexpected keyword arguments {sorted(kwargs)}.")
+    reason = why_not_kernels(cfg, x, scale, bias, mask)
+    if reason is not None:
+        return f"xla: the kernels do not take {reason}"
+    spec = kernel_spec(cfg, x, scale, bias, mask)
+    if use_kernels(implementation, cfg, x, scale, bias, mask) is None:
+        return (
+            "xla: 'auto' takes the kernels only where rmsnorm_jax.kernels.MEASURED holds a "
+            f"measured win for {jax.devices()[0].device_kind}; use implementation='pallas'"
+        )
+    rows = math.prod(x.shape[:-1])
+    triton = (
+        "Triton" if gpu.fits(spec, rows, dtype) else "XLA (the row does not fit the Triton kernels)"
+    )
+    interpret = "interpret mode" if gpu.fits(spec, rows, dtype) else triton
+    return (
+        f"pallas: GPU: {triton}; TPU: Mosaic where the row fits the generation's VMEM, "
+        f"else XLA; CPU: {interpret}"
+    )
 
 
 # ---------------------------------------------------------------- per-device passes

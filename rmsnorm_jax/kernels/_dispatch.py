@@ -63,6 +63,23 @@ def _row_param(param, n: int) -> bool:
     return param is None or (param.shape[-1:] == (n,) and math.prod(param.shape) == n)
 
 
+def why_not_kernels(cfg, x, scale, bias, mask) -> str | None:
+    """Why a call does not fit the kernels (see :func:`kernel_spec`), or None if it fits."""
+    if mask is not None:
+        return "a mask"
+    if cfg.axis_name is not None:
+        return "axis_name (features split across devices)"
+    if cfg.axes != (x.ndim - 1,):
+        return f"normalized axes {cfg.axes}, not the last axis alone"
+    if np.dtype(x.dtype) not in KERNEL_DTYPES:
+        return f"x of dtype {np.dtype(x.dtype).name} (the kernels take float32/bfloat16/float16)"
+    if cfg.compute_dtype != np.dtype(jnp.float32):
+        return f"statistics in {np.dtype(cfg.compute_dtype).name}, not float32"
+    if not (_row_param(scale, cfg.n) and _row_param(bias, cfg.n)):
+        return "a scale or bias that is not one value per feature"
+    return None
+
+
 def kernel_spec(cfg, x, scale, bias, mask) -> KernelSpec | None:
     """The kernels' description of a call, or None where the call does not fit them.
 
@@ -73,11 +90,7 @@ def kernel_spec(cfg, x, scale, bias, mask) -> KernelSpec | None:
     last alone, float64, or a scale/bias that varies along the rows: those stay on XLA.
     (Rows too wide for a kernel's block fall back per backend, see ``kernels/__init__``.)
     """
-    if mask is not None or cfg.axis_name is not None or cfg.axes != (x.ndim - 1,):
-        return None
-    if np.dtype(x.dtype) not in KERNEL_DTYPES or cfg.compute_dtype != np.dtype(jnp.float32):
-        return None
-    if not (_row_param(scale, cfg.n) and _row_param(bias, cfg.n)):
+    if why_not_kernels(cfg, x, scale, bias, mask) is not None:
         return None
     return KernelSpec(
         n=cfg.n,
