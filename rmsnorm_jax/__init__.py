@@ -4,6 +4,7 @@
 Module; ``rmsnorm_jax.nnx.RMSNorm`` its NNX twin.
 """
 
+from . import integrations as integrations
 from . import nnx as nnx
 from ._functional import partial_count as partial_count
 from ._functional import rms_norm as rms_norm
@@ -12,4 +13,12 @@ from ._fused import gated_rms_norm as gated_rms_norm
 from ._version import __version__ as __version__
 from .linen import RMSNorm as RMSNorm
 
-__all__ = ["RMSNorm", "add_rms_norm", "gated_rms_norm", "nnx", "partial_count", "rms_norm"]
+__all__ = [
+    "RMSNorm",
+    "add_rms_norm",
+    "gated_rms_norm",
+    "integrations",
+    "nnx",
+    "partial_count",
+    "rms_norm",
+]
