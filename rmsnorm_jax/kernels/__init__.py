@@ -171,7 +171,12 @@ def _forward_local(cfg: NormConfig, spec: KernelSpec, h_dtype, rows, params, xla
         y = output(last, normalized(last, h, scale, bias, row_stat))
         return (y, row_stat) if residual is None else (y, row_stat, h)
 
-    return _per_platform(spec, x, kernel, xla, (x, residual, scale, bias), xla_only)
+    call = dict(
+        kind="forward",
+        residual_dtype=None if residual is None else residual.dtype,
+        h_dtype=None if residual is None else np.dtype(h_dtype),
+    )
+    return _per_platform(spec, x, kernel, xla, (x, residual, scale, bias), xla_only, call)
 
 
 def _backward_local(cfg: NormConfig, spec: KernelSpec, dx_dtype, rows, params, xla_only=False):
@@ -213,7 +218,12 @@ def _backward_local(cfg: NormConfig, spec: KernelSpec, dx_dtype, rows, params, x
         sums = tuple(p.reshape(n) for p in (dscale, dbias) if p is not None)
         return (dx.astype(dx_dtype), *sums)
 
-    return _per_platform(spec, x, kernel, xla, (x, dy, stat, dh, scale), xla_only)
+    call = dict(
+        kind="backward",
+        residual_dtype=None if dh is None else dh.dtype,
+        dx_dtype=np.dtype(dx_dtype),
+    )
+    return _per_platform(spec, x, kernel, xla, (x, dy, stat, dh, scale), xla_only, call)
 
 
 def _varying(a: jax.Array, axes: frozenset) -> jax.Array:
@@ -228,8 +238,9 @@ def _last_axis(cfg: NormConfig, ndim: int) -> NormConfig:
     return dataclasses.replace(cfg, axes=(ndim - 1,))
 
 
-def _per_platform(spec, x, kernel, xla, operands, xla_only=False):
-    """The kernels of the platform being lowered for, where a row fits their blocks."""
+def _per_platform(spec, x, kernel, xla, operands, xla_only=False, call=None):
+    """The kernels of the platform being lowered for, where a row fits their blocks
+    (``call``: the kernel and the dtypes of this call, for ``backend.fits``)."""
     if xla_only:
         return xla(*operands)
     from . import gpu, tpu  # imported on first use: Pallas loads only for the kernels
@@ -237,7 +248,8 @@ def _per_platform(spec, x, kernel, xla, operands, xla_only=False):
     rows = math.prod(x.shape[:-1])
 
     def choose(backend, interpret=False):
-        return kernel(backend, interpret) if backend.fits(spec, rows, x.dtype) else xla
+        fits = backend.fits(spec, rows, x.dtype, **(call or {}))
+        return kernel(backend, interpret) if fits else xla
 
     # Pallas' interpreter cannot run inside a shard_map that checks varying axes (its
     # padding breaks the check, jax 0.10): there the CPU computes the call with XLA.

@@ -157,10 +157,12 @@ def backward_programs(n: int, rows: int, rows_per_block: int) -> int:
     return max(1, min(pl.cdiv(rows, rows_per_block), _SMS * per_sm, enough_rows))
 
 
-def fits(spec: KernelSpec, rows: int, x_dtype) -> bool:
+def fits(spec: KernelSpec, rows: int, x_dtype, **call_dtypes) -> bool:
     """Whether these kernels take the call: float32, bfloat16 or float16 input and
     output, at least one row, and at most 8192 features (see the block sizing above:
-    wider rows spill registers in the backward, so they stay on XLA).
+    wider rows spill registers in the backward, so they stay on XLA). The call's other
+    dtypes (``kind``, ``residual_dtype``, ``h_dtype``, ``dx_dtype``, as ``tpu.fits``
+    takes them) do not change it.
 
     >>> import numpy as np
     >>> spec = KernelSpec(n=16384, k=16384, eps=1e-6, inside=True, scale_offset=0.0,

@@ -58,6 +58,7 @@ no cost estimate for a custom call). :func:`plan` gives the bytes each kernel mo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -381,13 +382,37 @@ def _backward_row_map(steps: int, blocks: int):
     return lambda c, i: (_index_min(c * steps + i, blocks - 1), 0)
 
 
-def fits(spec: KernelSpec, rows: int, x_dtype) -> bool:
+def fits(
+    spec: KernelSpec,
+    rows: int,
+    x_dtype,
+    *,
+    kind: str | None = None,
+    residual_dtype=None,
+    h_dtype=None,
+    dx_dtype=None,
+) -> bool:
     """Whether a block of one sublane tile of rows fits the VMEM of the generation being
-    compiled for (see the module doc), in both kernels and in their residual forms with
-    float32 residual, h and dx (the widest); False for zero rows."""
-    f32 = np.dtype(jnp.float32)
-    wide = dict(residual_dtype=f32, h_dtype=f32, dx_dtype=f32)
-    return all(plan(spec, rows, x_dtype, k, **wide) is not None for k in ("forward", "backward"))
+    compiled for (see the module doc); False for zero rows.
+
+    With ``kind`` (``"forward"`` or ``"backward"``) and the call's dtypes: whether that
+    kernel takes that call (what :func:`forward` and :func:`backward` need). Without:
+    whether both kernels take every form of it, the residual forms with float32 or
+    16-bit residual, h and dx included (a 16-bit operand makes the sublane tile 16 rows,
+    a float32 one makes each row wide: the two together are the tightest)."""
+    if kind is not None:
+        dtypes = dict(residual_dtype=residual_dtype, h_dtype=h_dtype, dx_dtype=dx_dtype)
+        return plan(spec, rows, x_dtype, kind, **dtypes) is not None
+    f32, bf16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+    forms = [dict()] + [
+        dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
+        for r, h, d in itertools.product((f32, bf16), repeat=3)
+    ]
+    return all(
+        plan(spec, rows, x_dtype, k, **form) is not None
+        for k in ("forward", "backward")
+        for form in forms
+    )
 
 
 # ---------------------------------------------------------------- kernels
