@@ -1,107 +1,172 @@
-"""The benchmark's --quick smoke run: every implementation measured, files written.
+"""``python -m benchmarks``: the command line, where each section writes, the deviceless
+``estimates`` section, and the index of the committed results.
 
-No timing is asserted (the machine is shared and noisy); the residual memory is a
-property of the program, not of the machine, so it is checked.
+No timing and no estimate is asserted (the machine is shared and noisy, and a cost model
+is the compiler's); what a program keeps for its backward and its compiled memory and
+kernels are properties of the program, so they are checked.
 """
 
-import importlib.util
+import importlib
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import requires_deviceless
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
+cli = importlib.import_module("benchmarks.__main__")
+estimates = importlib.import_module("benchmarks.estimates")
+peers = importlib.import_module("benchmarks.peers")
+report = importlib.import_module("benchmarks.report")
+
+SMOKE = "smoke run: not a measurement"
 
 
-def test_quick_run(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = bench
-    spec.loader.exec_module(bench)
-    results = bench.main(["--quick", "--out", str(tmp_path)])
-    impls = {r["impl"] for r in results}
-    assert impls == {"baseline", *bench.IMPLEMENTATIONS}
-    assert {(r["features"], r["dtype"]) for r in results} == {
-        (f, d) for f in (256, 1024) for d in ("float32", "bfloat16")
-    }
-    for r in results:
-        assert r["fwd_s"] > 0 and r["fwd_bwd_s"] > 0
-        if r["impl"] in ("rms_norm", "rms_norm p=0.0625", "RMSNorm module"):
-            # x, scale and one float32 per row: just over 1x bytes(x).
-            assert 1.0 <= r["residual_x"] < 1.1
-        if r["impl"] == "flax RMSNorm":
-            assert r["residual_x"] > (2.9 if r["dtype"] == "float32" else 5.9)
-    saved = json.loads((tmp_path / "results.json").read_text())
-    assert len(saved["results"]) == len(results)
-    assert (tmp_path / "results.png").stat().st_size > 10_000
-    assert "| features |" in (tmp_path / "results.md").read_text()
+def test_help_says_what_each_section_answers_where_and_where_it_writes():
+    text = cli.parser().format_help()
+    for section in cli.SECTIONS:
+        assert re.search(rf"^  {section} +\S", text, flags=re.M), section
+    for where in ("device time", "CPU wall", "estimate", "--target", "deviceless"):
+        assert where in text
+    for written in ("<device>-measured.md", "gemma-<target>.md", "<target>-summary.md"):
+        assert written in text
+    assert SMOKE in text and "benchmarks/results" in text
 
 
-@requires_deviceless("h100")
-def test_quick_run_for_an_accelerator(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    report = bench.main(["--quick", "--target", "h100", "--out", str(tmp_path)])
-    impls = {r["impl"] for r in report["results"]}
-    assert impls == {"baseline", *bench.IMPLEMENTATIONS}
-    for r in report["results"]:
-        assert r["fwd"] > 0 and r["fwd_bwd"] > 0 and r["fwd_kernels"] >= 1
-        assert 0 < r["fwd_of_bound"] and 0 < r["fwd_bwd_of_bound"]
-    assert report["memory"][0]["norm"] == "rms_norm"
-    summary = (tmp_path / "h100-summary.md").read_text()
-    assert "not a hardware timing" in summary and "| features |" in summary
+@pytest.mark.parametrize("section", cli.SECTIONS)
+def test_each_section_has_its_own_help(section, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main([section, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--quick" in text and "--out" in text
+    assert ("--target" in text) == (section in ("gemma", "estimates"))
 
 
-@requires_deviceless("h100")
-def test_quick_fused_run_on_cpu_and_h100(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    for target in ("cpu", "h100"):
-        results = bench.main(["--fused", "--quick", "--target", target, "--out", str(tmp_path)])
-        by_name = {(r["impl"], r["dtype"]): r for r in results}
-        for dtype in ("float32", "bfloat16"):
-            # What the backward keeps, a property of the program: h (add), x and the gate
-            # (gated), against the compositions' full-size float32 copies.
-            assert by_name[("add_rms_norm", dtype)]["residual_x"] < 1.1
-            assert by_name[("gated_rms_norm", dtype)]["residual_x"] < 2.1
-            assert by_name[("flax RMSNorm + add", dtype)]["residual_x"] > 2.9
-            assert by_name[("flax RMSNorm * silu", dtype)]["residual_x"] > 7.9
-    assert (tmp_path / "fused.md").exists() and (tmp_path / "h100-fused.md").exists()
+def test_the_module_runs_as_a_command():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "usage: python -m benchmarks" in done.stdout
+
+
+@pytest.mark.parametrize("section", ["ops", "step"])
+def test_a_target_on_a_device_section_names_the_estimates_section(section, capsys):
+    with pytest.raises(SystemExit):
+        cli.main([section, "--target", "h100"])
+    assert "python -m benchmarks estimates --target h100" in capsys.readouterr().err
+
+
+def test_estimates_need_a_target(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["estimates", "--quick"])
+    assert "--target" in capsys.readouterr().err
 
 
 def test_quick_runs_never_write_into_the_committed_results(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     results = ROOT / "benchmarks" / "results"
-    assert bench.output_dir(None, quick=False) == results
-    quick, again = bench.output_dir(None, quick=True), bench.output_dir(None, quick=True)
+    assert report.output_dir(None, quick=False) == results
+    quick, again = report.output_dir(None, quick=True), report.output_dir(None, quick=True)
     try:
         assert quick.is_dir() and results.resolve() not in quick.resolve().parents
         assert quick != again  # a new directory per run
     finally:
         quick.rmdir()
         again.rmdir()
-    assert bench.output_dir(str(tmp_path), quick=True) == tmp_path
+    assert report.output_dir(str(tmp_path), quick=True) == tmp_path
+
+
+def test_every_committed_result_has_the_command_that_writes_it():
+    """benchmarks/results/README.md names every file there, each in a row with the command
+    that wrote it (the current one, or the removed script at a named commit)."""
+    index = (ROOT / "benchmarks" / "results" / "README.md").read_text()
+    rows = [line for line in index.splitlines() if line.startswith("| ")]
+    for path in sorted((ROOT / "benchmarks" / "results").iterdir()):
+        if path.name == "README.md":
+            continue
+        row = next((r for r in rows if f"`{path.name}`" in r or f"[{path.name}]" in r), None)
+        assert row is not None, f"{path.name} is not in benchmarks/results/README.md"
+        assert "python -m benchmarks" in row or "python benchmarks/" in row, row
+
+
+def test_benchmarks_readme_lists_every_section():
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    for section in cli.SECTIONS:
+        assert f"python -m benchmarks {section}" in text
+
+
+def test_residual_bytes_are_read_from_shapes():
+    """What each backward keeps (``jax.vjp``'s residuals), without computing it: ours x, the
+    scale and one float32 per row; flax's RMSNorm float32 copies."""
+    import jax.numpy as jnp
+
+    x, other, scale, _ = peers.random_inputs(64, 256, jnp.bfloat16)
+    ours = peers.residual_bytes(peers.IMPLEMENTATIONS["rms_norm"], x, scale)
+    assert ours == x.nbytes + scale.nbytes + 64 * 4
+    assert peers.residual_bytes(peers.IMPLEMENTATIONS["flax RMSNorm"], x, scale) > 5.9 * x.nbytes
+    assert peers.residual_bytes(peers.FUSED["add_rms_norm"], x, other, scale) < 1.1 * x.nbytes
+
+
+# ---------------------------------------------------------------- estimates (deviceless)
+
+
+@pytest.fixture(scope="module")
+def h100_estimates(tmp_path_factory):
+    out = tmp_path_factory.mktemp("estimates")
+    return cli.main(["estimates", "--quick", "--target", "h100", "--out", str(out)]), out
 
 
 @requires_deviceless("h100")
-def test_step_kernels_small_h100_step():
-    """``step_kernels.py``: per-norm kernel counts of a compiled train step. Compile facts:
-    every program has the same GEMMs (only the norm differs), and ours keeps the least."""
-    from helpers import load_benchmark_module
+def test_quick_estimates_write_every_file_labelled(h100_estimates):
+    rep, out = h100_estimates
+    for name in ("h100.md", "h100-summary.md", "h100-fused.md"):
+        text = (out / name).read_text()
+        assert SMOKE in text and "not a hardware timing" in text, name
+        assert "python -m benchmarks estimates --quick --target h100" in text
+        assert "of bound" not in text  # no bound is measured by a compiler
+    saved = json.loads((out / "h100.json").read_text())
+    assert saved["quick"] and saved["target"] == "h100" and saved["unit"] == "us"
+    assert len(json.loads((out / "h100-fused.json").read_text())) == len(rep["fused"])
 
-    step_kernels = load_benchmark_module("step_kernels")
-    rows = step_kernels.main(["--mlp", "swiglu", "--d", "256", "--tokens", "512"])
-    by_norm = {name: r for _, name, r in rows}
-    assert set(by_norm) == set(step_kernels.NORMS)
-    assert len({r["gemm"] for r in by_norm.values()}) == 1 and by_norm["rms_norm"]["gemm"] > 0
-    assert by_norm["rms_norm"]["temp_mib"] < by_norm["flax RMSNorm"]["temp_mib"]
+
+@requires_deviceless("h100")
+def test_quick_estimates_of_the_ops(h100_estimates):
+    rep, _ = h100_estimates
+    assert {r["impl"] for r in rep["results"]} == {"baseline", *peers.IMPLEMENTATIONS}
+    for r in rep["results"]:
+        assert r["fwd"] > 0 and r["fwd_bwd"] > 0 and r["fwd_kernels"] >= 1
+    by_name = {(r["impl"], r["dtype"]): r for r in rep["fused"]}
+    for dtype in ("float32", "bfloat16"):
+        # What the backward keeps: h (add), x and the gate (gated), against the
+        # compositions' full-size float32 copies.
+        assert by_name[("add_rms_norm", dtype)]["residual_x"] < 1.1
+        assert by_name[("gated_rms_norm", dtype)]["residual_x"] < 2.1
+        assert by_name[("flax RMSNorm + add", dtype)]["residual_x"] > 2.9
+        assert by_name[("flax RMSNorm * silu", dtype)]["residual_x"] > 7.9
+
+
+@requires_deviceless("h100")
+def test_quick_estimates_of_the_train_step(h100_estimates):
+    """Compile facts of a small H100 step: every program has the same matmuls (only the
+    norm differs), ours keeps less than flax's and has fewer kernels than autodiff's."""
+    rep, out = h100_estimates
+    by_norm = {r["norm"]: r for r in rep["memory"]}
+    assert list(by_norm) == list(estimates.MEMORY_NORMS)
+    assert len({r["matmul_kernels"] for r in by_norm.values()}) == 1
+    assert by_norm["rms_norm"]["matmul_kernels"] > 0
+    assert by_norm["rms_norm"]["temp_bytes"] < by_norm["flax RMSNorm"]["temp_bytes"]
     assert by_norm["rms_norm"]["kernels"] < by_norm["jnp + autodiff"]["kernels"]
+    assert {r["norm"] for r in rep["step_cost"]} == {"rms_norm", *peers.NORM_PEERS}
+    assert "| swiglu | rms_norm |" in (out / "h100.md").read_text()

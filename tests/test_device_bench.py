@@ -1,18 +1,21 @@
-"""benchmarks/device_bench.py: the --quick run, and its GPU and TPU timers with fakes.
+"""``python -m benchmarks ops|step|gemma`` on the device jax sees, and its timers.
 
-The --quick run uses the default device: XLA:CPU here, CUPTI on a GPU machine (where it
-checks the GPU path for real). No timing is asserted. The run checks that every
+The ``--quick`` runs use the default device: XLA:CPU here, CUPTI on a GPU machine (where
+they check the GPU path for real). No timing is asserted. The runs check that every
 implementation has its row (measured, or saying why not), that the ratios follow from the
-measured times, and the compiled memory of the train step, which is a property of the
-program. The GPU timer is checked against a fake ``profiler.measure`` (the shapes it
+measured times, the labels of a smoke run (every table and plot), that plots keep their
+labels inside the picture, and the compiled memory of the train step, which is a property
+of the program. The GPU timer is checked against a fake ``profiler.measure`` (the shapes it
 returns with ``aggregate=False``), the TPU trace reader against fake profile data. Also
 here: the test set-up for a machine with one accelerator (conftest.accelerator_platform,
 helpers' device selection and skips).
 """
 
+import importlib
 import importlib.util
 import json
 import math
+import re
 import statistics
 import sys
 import types
@@ -26,55 +29,107 @@ import pytest
 from jax.experimental.mosaic.gpu import profiler
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
+cli = importlib.import_module("benchmarks.__main__")
+peers = importlib.import_module("benchmarks.peers")
+report = importlib.import_module("benchmarks.report")
+timing = importlib.import_module("benchmarks.timing")
+
+SMOKE = report.SMOKE
+GEMMA_NORMS = ("rms_norm", "gemma's own", peers.GEMMA_FLOOR)
 
 
 @pytest.fixture(scope="module")
-def device_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "device_bench", ROOT / "benchmarks" / "device_bench.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["device_bench"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def quick_report(device_bench, tmp_path_factory):
-    out = tmp_path_factory.mktemp("device_bench")
-    return device_bench.main(["--quick", "--out", str(out)]), out
-
-
-# ---------------------------------------------------------------- the --quick run on CPU
+def quick_report(tmp_path_factory):
+    """The three device sections' --quick runs, one after another into one report (the
+    Gemma step with three of its norms, both modes: the CPU's smoke run)."""
+    out = tmp_path_factory.mktemp("device")
+    cli.main(["ops", "--quick", "--out", str(out)])
+    cli.main(["step", "--quick", "--out", str(out)])
+    rep = cli.main(["gemma", "--quick", "--norms", ",".join(GEMMA_NORMS), "--out", str(out)])
+    return rep, out
 
 
 def _platform():
     return "gpu" if jax.devices()[0].platform in ("gpu", "cuda", "rocm") else jax.default_backend()
 
 
-def test_quick_run_writes_every_file(quick_report):
-    report, out = quick_report
-    assert report["platform"] == _platform()
-    stem = report["stem"]
+def _tables(markdown: str) -> list[int]:
+    """The line numbers where a markdown table starts."""
+    lines = markdown.splitlines()
+    return [
+        i
+        for i, line in enumerate(lines)
+        if line.startswith("|") and not lines[i - 1].startswith("|")
+    ]
+
+
+# ---------------------------------------------------------------- the --quick runs
+
+
+def test_quick_runs_write_one_report_with_every_section(quick_report):
+    rep, out = quick_report
+    assert rep["platform"] == _platform()
+    stem = rep["stem"]
     assert stem == "cpu-measured" if _platform() == "cpu" else stem.endswith("-measured")
     saved = json.loads((out / f"{stem}.json").read_text())
-    assert set(saved["sections"]) == {"ops", "step"}
-    assert len(saved["sections"]["ops"]["results"]) == len(report["sections"]["ops"]["results"])
+    assert set(saved["sections"]) == {"ops", "step", "gemma"}
+    for name, section in saved["sections"].items():
+        assert section["quick"] and section["command"].startswith(f"python -m benchmarks {name}")
     md = (out / f"{stem}.md").read_text()
     method = {"cpu": "wall-clock", "gpu": "CUPTI"}.get(_platform(), "")
-    assert "## Isolated ops" in md and "## Train step" in md and method in md
+    for heading in ("## Isolated ops", "## Train step", "## Gemma-3-style train step"):
+        assert f"{heading} ({SMOKE})" in md
+    assert method in md
     assert (out / f"{stem}.png").stat().st_size > 10_000
 
 
-def test_quick_run_has_every_implementation(device_bench, quick_report):
-    report, _ = quick_report
-    rows = report["sections"]["ops"]["results"]
+def test_every_table_of_a_smoke_run_says_so(quick_report):
+    rep, out = quick_report
+    lines = (out / f"{rep['stem']}.md").read_text().splitlines()
+    starts = _tables("\n".join(lines))
+    assert len(starts) == 4  # ops: summary and every program; step; gemma
+    for i in starts:
+        assert SMOKE in lines[i - 2], lines[i - 2]
+
+
+def test_smoke_run_shows_no_bound(quick_report):
+    """A copy of 0.125 MiB is launch overhead, not a bound: no "% of bound" in a smoke run."""
+    rep, out = quick_report
+    assert "of bound" not in (out / f"{rep['stem']}.md").read_text()
+    assert all(r["pct_of_bound"] is None for r in rep["sections"]["ops"]["results"])
+
+
+def test_plot_says_smoke_run_and_keeps_its_labels_inside(quick_report, tmp_path):
+    rep, _ = quick_report
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = report.plot(rep, tmp_path / "plot.png")
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # the constrained layout, as when it was saved
+    renderer = canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    axes = [ax for ax in fig.axes if ax.has_data()]
+    assert len(axes) == 3
+    for ax in axes:
+        assert SMOKE in ax.get_title()
+        texts = [*ax.get_xticklabels(), *ax.get_yticklabels(), ax.xaxis.label, ax.yaxis.label]
+        for text in texts:
+            if text.get_text():
+                box = text.get_window_extent(renderer)
+                assert box.x0 >= 0 and box.y0 >= 0, text.get_text()
+                assert box.x1 <= width and box.y1 <= height, text.get_text()
+
+
+def test_quick_run_has_every_implementation(quick_report):
+    rep, _ = quick_report
+    rows = rep["sections"]["ops"]["results"]
     expected = {
         "copy baseline",
         "traffic baseline",
-        *device_bench.IMPLEMENTATIONS,
-        *device_bench.FUSED,
+        *peers.IMPLEMENTATIONS,
+        *peers.FUSED,
         "jax Pallas rms_norm",
         "tokamax layer_norm",
         "rms_norm [pallas]",
@@ -89,10 +144,10 @@ def test_quick_run_has_every_implementation(device_bench, quick_report):
             measured -= {"jax Pallas rms_norm"}
             assert at[("jax Pallas rms_norm", "fwd")]["status"] == "skipped"
             assert "GPU only" in at[("jax Pallas rms_norm", "fwd")]["note"]
-        if on_cpu or not device_bench.HAS_IMPLEMENTATION:
+        if on_cpu or not peers.HAS_IMPLEMENTATION:
             measured -= {"rms_norm [pallas]", "add_rms_norm [pallas]"}
             pallas = at[("rms_norm [pallas]", "fwd+bwd")]
-            if not device_bench.HAS_IMPLEMENTATION:
+            if not peers.HAS_IMPLEMENTATION:
                 assert pallas["status"] == "missing"
             else:
                 assert pallas["status"] == "skipped" and "interpret" in pallas["note"]
@@ -109,56 +164,82 @@ def test_quick_run_has_every_implementation(device_bench, quick_report):
             assert tokamax["status"] == "missing" and "not installed" in tokamax["note"]
         else:
             assert tokamax["status"] == "ok"
+        # What each backward keeps, a property of the program (bytes(x) units).
+        assert 1.0 <= at[("rms_norm", "fwd+bwd")]["residual_x"] < 1.1
+        assert at[("flax RMSNorm", "fwd+bwd")]["residual_x"] > (2.9 if dtype == "float32" else 5.9)
 
 
 def test_quick_run_ratios_follow_from_the_times(quick_report):
-    report, _ = quick_report
-    rows = [r for r in report["sections"]["ops"]["results"] if r["status"] == "ok"]
+    rep, _ = quick_report
+    rows = [r for r in rep["sections"]["ops"]["results"] if r["status"] == "ok"]
     for dtype in ("float32", "bfloat16"):
         shape = [r for r in rows if r["dtype"] == dtype]
-        copy = next(r for r in shape if r["impl"] == "copy baseline")
-        assert copy["pct_of_bound"] == pytest.approx(100.0)
         for r in shape:
-            # % of the bound at the measured copy rate: moves * t(copy) / (2 * t).
-            assert r["pct_of_bound"] == pytest.approx(
-                100 * r["moves"] * copy["median_s"] / (2 * r["median_s"])
-            )
+            base = "copy baseline" if r["kind"] == "fwd" else "traffic baseline"
+            base_t = next(q["median_s"] for q in shape if q["impl"] == base)
+            assert r["vs_baseline"] == pytest.approx(r["median_s"] / base_t)
             if r["role"] == "baseline":
                 continue
-            peers = [
+            peer_rows = [
                 q
                 for q in shape
                 if q["role"] == "peer" and (q["group"], q["kind"]) == (r["group"], r["kind"])
             ]
-            best = min(q["median_s"] for q in peers)
+            best = min(q["median_s"] for q in peer_rows)
             assert r["vs_best_peer"] == pytest.approx(r["median_s"] / best)
-            assert r["best_peer"] in {q["impl"] for q in peers}
+            assert r["best_peer"] in {q["impl"] for q in peer_rows}
             if r["role"] == "peer":
                 assert r["vs_best_peer"] >= 1.0
             assert math.isfinite(r["vs_best_peer"]) and r["vs_best_peer"] > 0
         moves = {(r["group"], r["kind"]): r["moves"] for r in shape if r["role"] != "baseline"}
-        assert moves == {
-            ("norm", "fwd"): 2,
-            ("norm", "fwd+bwd"): 5,
-            ("add", "fwd"): 4,
-            ("add", "fwd+bwd"): 8,
-            ("gated", "fwd"): 3,
-            ("gated", "fwd+bwd"): 8,
-        }
+        assert moves == peers.MOVES
 
 
-def test_quick_train_step_memory(device_bench, quick_report):
+def _row(impl, kind, seconds, role="ours", group="norm"):
+    moves = peers.BASELINE_MOVES.get(impl) or peers.MOVES[(group, kind)]
+    return dict(
+        impl=impl, kind=kind, group=group, role=role, status="ok", median_s=seconds,
+        x_bytes=2**25, size_mib=32, moves=moves,
+    )  # fmt: skip
+
+
+def test_bound_is_at_the_measured_copy_rate_and_above_100_says_why():
+    rows = [
+        _row("copy baseline", "fwd", 20e-6, "baseline"),
+        _row("traffic baseline", "fwd+bwd", 40e-6, "baseline"),
+        _row("rms_norm", "fwd", 25e-6),
+        _row("rms_norm", "fwd+bwd", 40e-6),  # 5 moves in the time of 4 at the copy rate
+        _row("flax RMSNorm", "fwd+bwd", 80e-6, "peer"),
+    ]
+    report.add_op_ratios(rows)
+    at = {(r["impl"], r["kind"]): r for r in rows}
+    assert at[("copy baseline", "fwd")]["pct_of_bound"] == pytest.approx(100)
+    assert at[("rms_norm", "fwd")]["pct_of_bound"] == pytest.approx(80)
+    assert at[("rms_norm", "fwd+bwd")]["pct_of_bound"] == pytest.approx(125)
+    assert at[("rms_norm", "fwd+bwd")]["vs_best_peer"] == pytest.approx(0.5)
+    for r in rows:
+        r.update(features=1024, dtype="float32")
+    md = report.ops_markdown(rows)
+    assert "125% †" in md and "80%" in md and "80% †" not in md
+    assert "† above 100 %" in md and "read x once" in md
+    report.add_op_ratios(rows, with_bound=False)
+    assert all(r["pct_of_bound"] is None for r in rows)
+    assert "of bound" not in report.ops_markdown(rows)
+
+
+def test_quick_train_step_memory(quick_report):
     """The compiled temporaries, a property of the program: the layers under
     jax.checkpoint keeping only the norms' statistics go below the x * scale floor."""
-    report, _ = quick_report
-    rows = report["sections"]["step"]["results"]
-    for mlp, dtype in device_bench.QUICK_STEP_CONFIGS:
+    rep, _ = quick_report
+    rows = rep["sections"]["step"]["results"]
+    for mlp, dtype in cli.QUICK_STEP_CONFIGS:
         by_norm = {r["norm"]: r for r in rows if (r["mlp"], r["dtype"]) == (mlp, dtype)}
-        assert set(by_norm) == set(device_bench.step_norms(_platform()))
+        assert set(by_norm) == set(peers.step_norms(_platform()))
         for r in by_norm.values():
             assert r["status"] == "ok" and r["median_s"] > 0 and r["temp_bytes"] > 0
-            assert len(r["round_medians_s"]) == 5
-            assert r["vs_flax"] == pytest.approx(
+            assert len(r["round_medians_s"]) == 3
+            assert r["reference"] == "flax RMSNorm"
+            assert r["vs_reference"] == pytest.approx(
                 r["median_s"] / by_norm["flax RMSNorm"]["median_s"]
             )
             if _platform() == "cpu":
@@ -166,21 +247,60 @@ def test_quick_train_step_memory(device_bench, quick_report):
             else:
                 assert r["peak_bytes"] > 0 and r["wall_median_s"] > 0
         remat = by_norm["rms_norm, remat saving rms_norm_stat"]["temp_bytes"]
-        floor = by_norm["x * scale (floor)"]["temp_bytes"]
+        floor = by_norm[peers.STEP_FLOOR]["temp_bytes"]
         # XLA:CPU, measured here: 1 MiB against 2-3 MiB. Other compilers: at most.
         assert remat < floor if _platform() == "cpu" else remat <= floor, (mlp, dtype)
         assert remat < by_norm["flax RMSNorm"]["temp_bytes"]
 
 
-def test_only_one_section_keeps_the_other(device_bench, quick_report, tmp_path):
-    report, out = quick_report
-    name = f"{report['stem']}.json"
+def test_quick_gemma_step_on_the_device(quick_report):
+    """Each norm of the Gemma-3-style step, unrolled and scanned, measured in its mode's
+    interleaved rounds, against Gemma's own norm; on a CPU always the 2-block config."""
+    rep, _ = quick_report
+    section = rep["sections"]["gemma"]
+    assert "SMALL" in section["model"] and (section["batch"], section["seq"]) == (2, 16)
+    rows = section["results"]
+    assert [(r["mode"], r["norm"]) for r in rows] == [
+        (mode, norm) for mode in ("unrolled", "scan") for norm in GEMMA_NORMS
+    ]
+    for mode in ("unrolled", "scan"):
+        by_norm = {r["norm"]: r for r in rows if r["mode"] == mode}
+        ref = by_norm["gemma's own"]["median_s"]
+        for r in by_norm.values():
+            assert r["status"] == "ok", r
+            assert r["median_s"] > 0 and r["temp_bytes"] > 0 and len(r["round_medians_s"]) == 3
+            assert r["vs_reference"] == pytest.approx(r["median_s"] / ref)
+            if _platform() != "cpu":
+                assert r["peak_bytes"] > 0
+
+
+def test_gemma_norms_on_a_device():
+    """The default norms: every one of the model's, the floor, and on an accelerator the
+    fused kernels too (on a CPU they run in interpret mode: not a timing)."""
+    assert list(peers.gemma_norms("cpu")) == [*peers.GEMMA_NORMS, peers.GEMMA_FLOOR]
+    assert ("rms_norm [pallas]" in peers.gemma_norms("gpu")) == peers.HAS_IMPLEMENTATION
+
+
+def test_one_section_keeps_the_others(quick_report, tmp_path):
+    rep, out = quick_report
+    name = f"{rep['stem']}.json"
     (tmp_path / name).write_text((out / name).read_text())
-    again = device_bench.main(
-        ["--quick", "--only", "ops", "--out", str(tmp_path), "--dtypes", "float32"]
-    )
-    assert again["sections"]["step"] == json.loads(json.dumps(report["sections"]["step"]))
+    again = cli.main(["ops", "--quick", "--out", str(tmp_path), "--dtypes", "float32"])
+    earlier = json.loads((out / name).read_text())["sections"]
+    for kept in ("step", "gemma"):
+        assert again["sections"][kept] == earlier[kept]
     assert {r["dtype"] for r in again["sections"]["ops"]["results"]} == {"float32"}
+
+
+def test_measure_steps_reports_a_failing_program():
+    ok = (lambda x: x * 2, (jnp.ones(8),))
+    broken = (lambda x: x @ jnp.ones((3, 3)), (jnp.ones(8),))  # fails when traced
+    rows = timing.measure_steps(
+        {"ok": ok, "broken": broken}, "cpu", timing.WallTimer(), 2, 1, reference="ok"
+    )
+    assert rows["ok"]["status"] == "ok" and rows["ok"]["vs_reference"] == pytest.approx(1.0)
+    assert rows["broken"]["status"] == "failed" and "compile" in rows["broken"]["note"]
+    assert re.search(r"TypeError|ValueError", rows["broken"]["note"])
 
 
 # ---------------------------------------------------------------- the GPU timer (fake CUPTI)
@@ -204,7 +324,7 @@ def _fake_measure(kernel_ms, calls):
     return measure
 
 
-def test_cupti_timer_sums_each_iteration(device_bench, monkeypatch):
+def test_cupti_timer_sums_each_iteration(monkeypatch):
     its = iter(
         [
             [("fusion_a", 0.010), ("fusion_b", 0.030)],  # 40 us
@@ -214,21 +334,21 @@ def test_cupti_timer_sums_each_iteration(device_bench, monkeypatch):
     )
     calls = []
     monkeypatch.setattr(profiler, "measure", _fake_measure(its, calls))
-    sample = device_bench.CuptiTimer(3).sample(lambda x: x + 1, (jnp.ones(2),))
+    sample = timing.CuptiTimer(3).sample(lambda x: x + 1, (jnp.ones(2),))
     assert calls == [3]
     assert sample.seconds == pytest.approx([40e-6, 52e-6, 40e-6])
     assert sample.kernels[1] == [("fusion_a", 0.012), ("fusion_b", 0.040)]
 
 
-def test_cupti_timer_one_iteration_is_a_flat_list(device_bench, monkeypatch):
+def test_cupti_timer_one_iteration_is_a_flat_list(monkeypatch):
     its = iter([[("copy", 0.024)]])
     calls = []
     monkeypatch.setattr(profiler, "measure", _fake_measure(its, calls))
-    sample = device_bench.CuptiTimer(1).sample(lambda x: x, (jnp.ones(2),))
+    sample = timing.CuptiTimer(1).sample(lambda x: x, (jnp.ones(2),))
     assert sample.seconds == pytest.approx([24e-6]) and sample.kernels == [[("copy", 0.024)]]
 
 
-def test_cupti_timer_retries_one_iteration_per_call(device_bench, monkeypatch):
+def test_cupti_timer_retries_one_iteration_per_call(monkeypatch):
     calls = []
 
     def measure(f, *, aggregate=True, iterations=1):
@@ -238,11 +358,11 @@ def test_cupti_timer_retries_one_iteration_per_call(device_bench, monkeypatch):
         return lambda *args: (f(*args), [("k", 0.5)])
 
     monkeypatch.setattr(profiler, "measure", measure)
-    sample = device_bench.CuptiTimer(3).sample(lambda x: x, (jnp.ones(2),))
+    sample = timing.CuptiTimer(3).sample(lambda x: x, (jnp.ones(2),))
     assert calls == [3, 1, 1, 1] and sample.seconds == pytest.approx([5e-4] * 3)
 
 
-def test_interleaved_median_and_kernel_list(device_bench, monkeypatch):
+def test_interleaved_median_and_kernel_list(monkeypatch):
     """Two programs, two rounds of two iterations, interleaved; the median over every
     iteration, each round's median, and the kernels of the iteration nearest the median.
     A program with no kernels is reported as failed, not measured."""
@@ -266,8 +386,8 @@ def test_interleaved_median_and_kernel_list(device_bench, monkeypatch):
         fn.__name__ = name
         return fn, (jnp.ones(2),)
 
-    got = device_bench.interleaved(
-        {n: program(n) for n in ("a", "b", "empty")}, device_bench.CuptiTimer(2), rounds=2
+    got = timing.interleaved(
+        {n: program(n) for n in ("a", "b", "empty")}, timing.CuptiTimer(2), rounds=2
     )
     assert order == ["a", "b", "empty", "a", "b"]  # round 1 drops "empty"
     assert got["a"]["median_s"] == pytest.approx(statistics.median([1, 3, 2, 10]) * 1e-3)
@@ -298,7 +418,7 @@ def _profile(planes):
     )
 
 
-def test_trace_module_times(device_bench):
+def test_trace_module_times():
     profile = _profile(
         {
             "/host:CPU": {"python": [_event("jit_dbp0000", 99)]},
@@ -313,35 +433,33 @@ def test_trace_module_times(device_bench):
         }
     )
     modules = {("rms_norm", "fwd"): "jit_dbp0000", ("rms_norm", "fwd+bwd"): "jit_dbp0001"}
-    times = device_bench.trace_module_times(profile, modules)
+    times = timing.trace_module_times(profile, modules)
     assert times == {("rms_norm", "fwd"): [2e-6, 4e-6], ("rms_norm", "fwd+bwd"): [7e-6]}
-    assert (
-        device_bench.trace_module_times(profile, {"a": "jit_dbp0000", "b": "jit_dbp0002"}) is None
-    )
+    assert timing.trace_module_times(profile, {"a": "jit_dbp0000", "b": "jit_dbp0002"}) is None
     host_only = _profile({"/host:CPU": {"python": []}})
-    assert device_bench.trace_module_times(host_only, {"a": "jit_dbp0000"}) is None
+    assert timing.trace_module_times(host_only, {"a": "jit_dbp0000"}) is None
 
 
-def test_module_name_is_the_jitted_name(device_bench):
+def test_module_name_is_the_jitted_name():
     """What a trace's XLA Modules events are called: from the compiled program itself."""
-    fn = device_bench.named(lambda x: x * 2, "dbp0042")
+    fn = timing.named(lambda x: x * 2, "dbp0042")
     compiled = jax.jit(fn).lower(jnp.ones(4)).compile()
-    assert device_bench.module_name(compiled) == "jit_dbp0042"
-    assert device_bench.module_name(fn) == "jit_dbp0042"
+    assert timing.module_name(compiled) == "jit_dbp0042"
+    assert timing.module_name(fn) == "jit_dbp0042"
 
 
-def test_trace_timer_falls_back_to_dispatches_without_a_device_plane(device_bench):
+def test_trace_timer_falls_back_to_dispatches_without_a_device_plane():
     """A real jax.profiler trace on CPU has no TPU plane: many dispatches per timing."""
-    fn = jax.jit(device_bench.named(lambda x: x * 2, "dbp0000"))
-    timer = device_bench.TraceTimer(iterations=2, dispatches=3)
+    fn = jax.jit(timing.named(lambda x: x * 2, "dbp0000"))
+    timer = timing.TraceTimer(iterations=2, dispatches=3)
     got = timer.round({"dbp0000": (fn, (jnp.ones(8),))})
     assert "3 dispatches per timing" in timer.method and "not device time" in timer.method
     assert len(got["dbp0000"].seconds) == 1 and got["dbp0000"].seconds[0] > 0
 
 
-def test_device_slug(device_bench):
+def test_device_slug():
     def slug(platform, kind):
-        return device_bench.device_slug(types.SimpleNamespace(platform=platform, device_kind=kind))
+        return report.device_slug(types.SimpleNamespace(platform=platform, device_kind=kind))
 
     assert slug("gpu", "NVIDIA H100 80GB HBM3") == "h100"
     assert slug("gpu", "NVIDIA A100-SXM4-80GB") == "a100"

@@ -1,23 +1,30 @@
-"""The Gemma-3-style model of the benchmarks (``benchmarks/gemma.py``), small (issue 20).
+"""The Gemma-3-style model of the benchmarks (``benchmarks/models.py``), small (issue 20).
 
-Numerics of its norm variants against a float64 oracle, the train step in both modes
-(unrolled and scanned blocks give the same loss), and deterministic facts of deviceless
-compiles of a small config. The full size lives in ``benchmarks/gemma_bench.py``.
+Numerics of its norm variants (``benchmarks/peers.py``) against a float64 oracle, the train
+step in both modes (unrolled and scanned blocks give the same loss), and deterministic facts
+of deviceless compiles of a small config, made by ``python -m benchmarks gemma --target``.
+The full size: ``python -m benchmarks gemma --target h100`` (or on a device, without
+``--target``).
 """
 
+import importlib
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import aot_target, assert_close, load_benchmark_module, tol
+from helpers import assert_close, deviceless_skip_reason, tol
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
+cli = importlib.import_module("benchmarks.__main__")
+estimates = importlib.import_module("benchmarks.estimates")
+models = importlib.import_module("benchmarks.models")
+peers = importlib.import_module("benchmarks.peers")
 EPS = 1e-6
-
-
-gemma = load_benchmark_module("gemma")
 
 
 def gemma_formula64(x, scale):
@@ -25,11 +32,11 @@ def gemma_formula64(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + EPS) * (1 + scale)
 
 
-@pytest.mark.parametrize("name", list(gemma.NORMS))
+@pytest.mark.parametrize("name", list(peers.GEMMA_NORMS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_every_norm_is_one_plus_scale(name, dtype):
     """Each variant computes x / RMS(x) * (1 + scale) (value and gradients)."""
-    norm = gemma.NORMS[name]
+    norm = peers.GEMMA_NORMS[name]
     kx, ks, kc = jax.random.split(jax.random.key(0), 3)
     x = (2 * jax.random.normal(kx, (3, 4, 32), jnp.float32) + 0.3).astype(dtype)
     scale = 0.5 * jax.random.normal(ks, (32,), jnp.float32)
@@ -52,7 +59,7 @@ def test_every_norm_is_one_plus_scale(name, dtype):
         assert_close(ds, ds64, **tol(dtype))
 
 
-F32 = gemma.Config(
+F32 = models.Config(
     vocab=128, d=32, layers=2, heads=2, kv_heads=1, head_dim=16, hidden=64, window=4,
     global_every=2, dtype=jnp.float32,
 )  # fmt: skip
@@ -65,15 +72,16 @@ def _batch(cfg, batch=2, seq=8):
 
 def test_model_logits_rms_norm_equal_gemma_formula_float32():
     """In float32 the swap changes no logit beyond rounding, on trained-like scales."""
-    params = gemma.init_params(F32, jax.random.key(0), scan=False, norm_scale_std=0.5)
+    params = models.init_params(F32, jax.random.key(0), scan=False, norm_scale_std=0.5)
     tokens, _ = _batch(F32)
 
     @jax.jit
     def logits(params, tokens):
         # The last: a zero-centred scale read as x_hat * s (the trap), to show the
         # scales matter in this comparison.
-        norms = (gemma.ours, gemma.gemma_formula, lambda x, s: gemma.ours(x, s - 1.0))
-        return [gemma.logits_fn(F32, n, params, tokens, scan=False) for n in norms]
+        ours, gemma = peers.gemma_ours, peers.gemma_formula
+        norms = (ours, gemma, lambda x, s: ours(x, s - 1.0))
+        return [models.logits_fn(F32, n, params, tokens, scan=False) for n in norms]
 
     ours, theirs, wrong = logits(params, tokens)
     assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
@@ -82,14 +90,14 @@ def test_model_logits_rms_norm_equal_gemma_formula_float32():
 
 def test_train_step_unrolled_and_scanned_agree():
     """One AdamW step of each mode, from the same parameters: same loss, same update."""
-    cfg = gemma.SMALL
-    unrolled = gemma.init_params(cfg, jax.random.key(0), scan=False, norm_scale_std=0.3)
+    cfg = models.SMALL
+    unrolled = models.init_params(cfg, jax.random.key(0), scan=False, norm_scale_std=0.3)
     stacked = dict(unrolled, blocks=jax.tree.map(lambda *a: jnp.stack(a), *unrolled["blocks"]))
     tokens, targets = _batch(cfg, seq=16)
     results = {}
     for scan, params in ((False, unrolled), (True, stacked)):
-        step = jax.jit(gemma.train_step(cfg, gemma.ours, scan))
-        new, _, loss = step(params, gemma.optimizer().init(params), tokens, targets)
+        step = jax.jit(models.gemma_train_step(cfg, peers.gemma_ours, scan))
+        new, _, loss = step(params, models.optimizer().init(params), tokens, targets)
         results[scan] = (float(loss), new)
     assert np.isfinite(results[False][0])
     assert results[False][0] == pytest.approx(results[True][0], rel=1e-3)
@@ -105,33 +113,37 @@ def test_train_step_unrolled_and_scanned_agree():
 
 
 @pytest.fixture(scope="module")
-def h100_scanned():
-    """The small config's train step under scan, compiled for H100: one record per norm."""
-    target = aot_target("h100")
-    bench = load_benchmark_module("gemma_bench")
-    names = ("rms_norm", "gemma's own", "flax nnx RMSNorm", gemma.FLOOR)
-    return {
-        name: bench.measure(target, gemma.SMALL, name, "scan", batch=2, seq=64)[0] for name in names
-    }
+def h100_scanned(tmp_path_factory):
+    """The small config's train step under scan, compiled for H100 by the command line
+    (``gemma --quick --target h100``, batch 2 x 64): one record per norm."""
+    reason = deviceless_skip_reason("h100")
+    if reason:
+        pytest.skip(reason)
+    names = ("rms_norm", "gemma's own", "flax nnx RMSNorm", peers.GEMMA_FLOOR)
+    out = tmp_path_factory.mktemp("gemma")
+    argv = ["gemma", "--quick", "--target", "h100", "--modes", "scan", "--norms", ",".join(names)]
+    saved = cli.main([*argv, "--out", str(out)])
+    assert (out / "gemma-h100-quick.md").read_text().startswith("**smoke run: not a measurement**")
+    return {r["norm"]: r for r in saved["records"]}
 
 
 def test_scanned_temp_memory_at_most_the_best_peers(h100_scanned):
     """Under scan the backward's float32 copies of the peers survive compilation; ours
     keeps one float per row (a compile fact of this jax/XLA, small config)."""
     ours = h100_scanned["rms_norm"]["temp_bytes"]
-    peers = (r for n, r in h100_scanned.items() if n not in ("rms_norm", gemma.FLOOR))
-    assert ours <= min(r["temp_bytes"] for r in peers)
+    others = (r for n, r in h100_scanned.items() if n not in ("rms_norm", peers.GEMMA_FLOOR))
+    assert ours <= min(r["temp_bytes"] for r in others)
 
 
 def test_scanned_temp_memory_is_the_floor_and_one_float_per_row(h100_scanned):
     """Against ``x * (1 + scale)``, which keeps what any norm with a learnable scale
     must keep for its backward, ours keeps at most one float32 per row of each norm more:
     under scan no norm can save more memory in this model than ours does."""
-    cfg, ours = gemma.SMALL, h100_scanned["rms_norm"]
+    cfg, ours = models.SMALL, h100_scanned["rms_norm"]
     tokens = ours["batch"] * ours["seq"]
     rows_per_block = tokens * (4 + cfg.heads + cfg.kv_heads)  # 4 norms of d, QK-norms
     stat_bytes = 4 * (cfg.layers * rows_per_block + tokens)  # and the final norm
-    assert ours["temp_bytes"] - h100_scanned[gemma.FLOOR]["temp_bytes"] <= stat_bytes
+    assert ours["temp_bytes"] - h100_scanned[peers.GEMMA_FLOOR]["temp_bytes"] <= stat_bytes
 
 
 def test_scanned_block_has_no_more_kernels_than_gemmas(h100_scanned):
@@ -142,12 +154,11 @@ def test_scanned_block_has_no_more_kernels_than_gemmas(h100_scanned):
 
 def test_matmul_kernels_are_told_apart():
     """The non-matmul part excludes exactly the kernels that hold a dot."""
-    bench = load_benchmark_module("gemma_bench")
     text = (
         "%fused_dot (p: f32[2,2]) -> f32[2,2] {\n  %d = f32[2,2] dot(%p, %p)\n}\n"
         "%fused_add (p: f32[2,2]) -> f32[2,2] {\n  %a = f32[2,2] add(%p, %p)\n}\n"
     )
-    bodies = bench._computations(text)
+    bodies = estimates._computations(text)
     assert set(bodies) == {"fused_dot", "fused_add"}
-    assert bench._is_matmul("%f = f32[2,2] fusion(%x), calls=%fused_dot", bodies)
-    assert not bench._is_matmul("%g = f32[2,2] fusion(%x), calls=%fused_add", bodies)
+    assert estimates._is_matmul("%f = f32[2,2] fusion(%x), calls=%fused_dot", bodies)
+    assert not estimates._is_matmul("%g = f32[2,2] fusion(%x), calls=%fused_add", bodies)

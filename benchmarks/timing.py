@@ -1,10 +1,13 @@
-"""How device_bench times a program: CUPTI on a GPU, a profiler trace on a TPU, wall-clock on CPU.
+"""How a program is timed: CUPTI on a GPU, a profiler trace on a TPU, wall-clock on a CPU.
 
 A timer's ``round(programs)`` runs each ``{name: (fn, args)}`` once (``iterations`` times on a
 device) and returns ``{name: Sample or the exception it raised}``; :func:`make_timer` picks the
 timer for a platform. :func:`interleaved` runs every program once per round over many rounds
-and summarises the samples; :func:`compile_all` compiles the programs (in threads), each
+(after a warm-up round) and summarises the samples, so that no program is favoured by its
+place in a fresh process; :func:`compile_all` compiles the programs (in threads), each
 jitted under a name of its own (``dbp<NNNN>``) that a TPU trace uses to tell them apart.
+:func:`measure_steps` measures a group of train steps: compiled memory, the device's peak
+memory, then time in interleaved rounds.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import bench
 import jax
 
 # ---------------------------------------------------------------- timers
@@ -89,19 +91,19 @@ class CuptiTimer:
 
 
 class WallTimer:
-    """Wall-clock of one call per sample, interleaved: ``bench.time_rounds``, one round."""
+    """Wall-clock of one call per sample (a CPU's time, or a step's time with its launch
+    gaps on an accelerator)."""
 
     method = "wall-clock, one call per sample"
 
+    @staticmethod
+    def sample(fn, args) -> Sample:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        return Sample([time.perf_counter() - t0])
+
     def round(self, programs: dict) -> dict[str, Sample | Exception]:
-        try:
-            times = bench.time_rounds(programs, repeats=1, warmup=0)
-        except Exception:  # find the program that fails
-            return _each(
-                programs,
-                lambda fn, args: Sample(bench.time_rounds({"p": (fn, args)}, 1, warmup=0)["p"]),
-            )
-        return {name: Sample(t) for name, t in times.items()}
+        return _each(programs, self.sample)
 
 
 class DispatchTimer:
@@ -326,3 +328,94 @@ def uses_custom_kernel(compiled) -> bool:
     except Exception:
         return False
     return bool(re.search(r"__gpu\$xla\.gpu\.triton|tpu_custom_call", text))
+
+
+# ---------------------------------------------------------------- train steps
+
+
+def memory_stats() -> dict | None:
+    """The default device's ``memory_stats()`` (None on XLA:CPU, which reports none)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:
+        return None
+    return stats or None
+
+
+def measure_steps(
+    programs: dict,
+    platform: str,
+    timer,
+    rounds: int,
+    workers: int,
+    reference: str | None = None,
+) -> dict[str, dict]:
+    """A group of train steps: compile, run each once for its memory, time interleaved.
+
+    ``programs``: ``{label: (step, args)}``; a step must not donate its arguments (each is
+    called many times with the same ones). Returns ``{label: row}``: ``status``, the
+    compiled ``temp_bytes``, ``argument_bytes`` and ``output_bytes``; where the device
+    reports ``memory_stats()``, ``peak_bytes`` (``peak_bytes_in_use`` after the program's
+    first run: the peak cannot be reset, so each program runs once on its own in order of
+    increasing compiled size, and ``peak_is_own`` says whether the peak rose with it; where
+    it did not, the program's own peak is at most that); the timing of
+    :func:`interleaved`; on an accelerator ``wall_median_s``, wall-clock per step in
+    separate interleaved rounds (with the launch gaps that the kernels' sum leaves out);
+    and ``vs_reference``, the ratio of the median to ``reference``'s.
+    """
+    names = list(programs)
+    # The first program alone fills XLA's autotuning cache for the GEMMs that every
+    # program shares; the rest compile in parallel and find the same choices there.
+    compiled = compile_all({names[0]: programs[names[0]]}, 1)
+    compiled.update(compile_all({n: programs[n] for n in names[1:]}, workers))
+    rows = {}
+    for name in names:
+        row = {}
+        if isinstance(compiled[name], str):
+            row.update(status="failed", note=f"compile: {compiled[name]}")
+        else:
+            row["status"] = "ok"
+            analysis = compiled[name][0].memory_analysis()
+            for field in ("temp", "argument", "output"):
+                value = getattr(analysis, f"{field}_size_in_bytes", None) if analysis else None
+                row[f"{field}_bytes"] = value
+        rows[name] = row
+    runnable = {n: v for n, v in compiled.items() if not isinstance(v, str)}
+
+    def footprint(name):
+        r = rows[name]
+        return sum(r.get(f"{f}_bytes") or 0 for f in ("temp", "argument", "output"))
+
+    for name in sorted(runnable, key=footprint):
+        before = memory_stats()
+        fn, fargs = runnable[name]
+        try:
+            out = fn(*fargs)
+            jax.block_until_ready(out)
+            del out
+        except Exception as err:
+            rows[name].update(status="failed", note=f"run: {_error(err)}")
+            continue
+        after = memory_stats()
+        if after and "peak_bytes_in_use" in after:
+            peak_before = (before or {}).get("peak_bytes_in_use", 0)
+            rows[name].update(
+                peak_bytes=after["peak_bytes_in_use"],
+                peak_is_own=after["peak_bytes_in_use"] > peak_before,
+                in_use_before_bytes=(before or {}).get("bytes_in_use"),
+            )
+    runnable = {n: v for n, v in runnable.items() if rows[n]["status"] == "ok"}
+    timings = interleaved(runnable, timer, rounds)
+    wall = {}
+    if platform != "cpu" and runnable:
+        wall = interleaved(runnable, WallTimer(), rounds, warmup_rounds=0)
+    for name, timing in timings.items():
+        rows[name].update(timing)
+        rows[name]["method"] = timer.method
+        if name in wall and "median_s" in wall[name]:
+            rows[name]["wall_median_s"] = wall[name]["median_s"]
+    ref = rows.get(reference, {}).get("median_s") if reference else None
+    for row in rows.values():
+        row["vs_reference"] = row["median_s"] / ref if ref and "median_s" in row else None
+        row["reference"] = reference
+    return rows
