@@ -448,11 +448,19 @@ def run_gemma(args, platform, timer, section, earlier, progress) -> None:
 # ---------------------------------------------------------------- deviceless: --target
 
 
+def _target(estimates, name: str):
+    """The target, or the command's exit with the reason it cannot be estimated."""
+    try:
+        return estimates.target(name)
+    except ValueError as err:
+        raise SystemExit(f"python -m benchmarks: {err}") from None
+
+
 def run_estimates(args) -> dict:
     """The compiler's estimates of the ops, the fused ops and the pre-norm step for T."""
     from . import estimates
 
-    target = estimates.target(args.target)
+    target = _target(estimates, args.target)
     features = args.features or ",".join(map(str, (256,) if args.quick else ESTIMATE_FEATURES))
     features = [int(f) for f in features.split(",")]
     mib = 0.25 if args.quick else args.mib
@@ -528,7 +536,7 @@ def run_gemma_estimates(args) -> dict:
     """The Gemma-3-style step compiled for T, each norm in each mode."""
     from . import estimates
 
-    target = estimates.target(args.target)
+    target = _target(estimates, args.target)
     cfg = models.SMALL if args.quick else models.GEMMA3_270M
     default = QUICK_GEMMA_ESTIMATE_BATCH if args.quick else GEMMA_BATCH
     batch, seq = args.batch or default[0], args.seq or default[1]

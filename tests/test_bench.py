@@ -170,3 +170,9 @@ def test_quick_estimates_of_the_train_step(h100_estimates):
     assert by_norm["rms_norm"]["kernels"] < by_norm["jnp + autodiff"]["kernels"]
     assert {r["norm"] for r in rep["step_cost"]} == {"rms_norm", *peers.NORM_PEERS}
     assert "| swiglu | rms_norm |" in (out / "h100.md").read_text()
+
+
+@requires_deviceless("a100")
+def test_a_target_without_a_cost_model_is_refused():
+    with pytest.raises(SystemExit, match="no cost model for a100"):
+        cli.main(["estimates", "--quick", "--target", "a100"])
