@@ -95,13 +95,21 @@ def _shard_mapped(local, rows, params, kinds, mesh, spec):
     def body(*flat):
         return _summed(local(*rebuild(flat)), kinds, axes)
 
-    return jax.shard_map(
+    outs = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=tuple(row_spec if r else P() for r in is_row),
         out_specs=tuple(P() if k == SUM else row_spec for k in kinds),
         check_vma=False,
     )(*arrays)
+    if spec[-1] is None:
+        return outs
+    # Features split explicitly: the kernels ran on whole rows; the row outputs go back
+    # to x's own sharding, as the XLA path's do (a scan carry must keep its type).
+    return tuple(
+        jax.sharding.reshard(o, P(*spec)) if k == ROWS else o
+        for o, k in zip(outs, kinds, strict=True)
+    )
 
 
 def _custom_partitioned(local, rows, params, kinds):
