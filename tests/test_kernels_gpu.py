@@ -239,6 +239,7 @@ def test_block_sizes():
         (1000, 8192): (1024, 4, 8, 264),
         (4096, 1024): (4096, 1, 8, 132),  # fewer than 8 rows a program: one per SM
         (4096, 100): (4096, 1, 8, 100),
+        (4096, 2000): (4096, 1, 8, 132),  # 250 would be a partial second wave: 132
         (128, 100): (128, 32, 8, 4),
         (100, 3): (128, 4, 1, 1),
     }.items():
@@ -314,3 +315,20 @@ def test_h100_forward_and_backward_are_two_triton_kernels(rows, n, dtype, residu
     assert len(ops) == 2  # one forward kernel, one backward kernel
     programs = gpu.backward_programs(n, rows, gpu.default_block_rows(n, rows))
     assert f"f32[{programs},{n}]" in ops[1][1]  # the partial sums
+
+
+@pytest.mark.parametrize("name, sms", [("h100", 132), ("a100", 108)])
+def test_backward_sized_for_the_gpu_being_compiled_for(name, sms):
+    """The persistent grid follows the target's SM count (its abstract mesh), and above
+    one program per SM is a whole number of waves."""
+    from helpers import aot_target
+
+    target = aot_target(name)
+    mesh = jax.sharding.Mesh(target.devices[:1], ("d",))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        assert gpu.multiprocessors() == sms
+        for n, rows in [(4096, 8192), (4096, 2000), (5120, 8192), (1000, 8192), (4096, 100)]:
+            block = gpu.default_block_rows(n, rows)
+            programs = gpu.backward_programs(n, rows, block)
+            assert programs <= sms or programs % sms == 0, (n, rows, programs)
+            assert programs <= -(-rows // block)

@@ -102,7 +102,8 @@ _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 #   registers). The working set is float32 whatever the input dtype, so the limit is the
 #   same for every dtype. Wider rows stay on XLA (``fits`` is False) until a kernel for
 #   them is measured faster.
-# - The backward's programs: _SMS (132, H100 SXM) times the programs that fill
+# - The backward's programs: the GPU's SMs (:func:`multiprocessors`: 132 on an H100
+#   SXM, 108 on an A100) times the programs that fill
 #   _RESIDENT_WARPS (16) warps per SM: 264 programs of 8 warps (n <= 4096), 132 of 16
 #   (n = 5120 or 8192). That is exactly what fits at once: a backward program of 256
 #   threads uses about 127 registers (2 programs per SM's 65536 registers), one of 512
@@ -112,7 +113,8 @@ _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 #   that would leave a program fewer than _MIN_ROWS_PER_PROGRAM (8) rows, programs drop
 #   towards one per SM (not below): 1024 rows of 4096 (a data-parallel shard of 8192 over
 #   8 GPUs) get 132 programs, whose partials (2 MiB, likely L2-resident) are a quarter of
-#   x's 8 MiB instead of half. The
+#   x's 8 MiB instead of half. Above one per SM the count is a whole multiple of the SMs
+#   (no partial wave: every SM gets as many programs as every other). The
 #   issue's Triton prototype of this design ran at 1.09-1.15x a 3-move copy. Not timed
 #   on hardware (no GPU where this was written): measure before changing.
 #
@@ -122,7 +124,7 @@ _BLOCK_ELEMENTS = 4096
 _ELEMENTS_PER_THREAD = 16
 _MAX_WARPS = 16
 _MAX_FEATURES = 8192
-_SMS = 132
+_DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
 _RESIDENT_WARPS = 16
 _MIN_ROWS_PER_PROGRAM = 8
 # Interpret mode copies the whole array for every block it loads (CPU tests), so there
@@ -148,13 +150,30 @@ def num_warps(n: int, rows_per_block: int) -> int:
     return int(min(max(elements // (32 * _ELEMENTS_PER_THREAD), 1), _MAX_WARPS))
 
 
-def backward_programs(n: int, rows: int, rows_per_block: int) -> int:
-    """The backward's persistent programs: enough for ``_RESIDENT_WARPS`` warps per SM
-    of an H100 (132 SMs), fewer (down to one per SM) where a program would get fewer
-    than 8 rows, and at most one per row block."""
+def multiprocessors() -> int:
+    """The SMs of the GPU being compiled for: the device of the abstract mesh being
+    traced for (``rmsnorm_jax.aot`` targets, ``jax.set_mesh``), else the default GPU,
+    else an H100's 132."""
+    try:
+        cores = getattr(jax.sharding.get_abstract_mesh().abstract_device, "num_cores", None)
+    except (AttributeError, ValueError):  # no mesh, or one without a device kind
+        cores = None
+    if not cores:
+        device = jax.devices()[0]
+        cores = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(cores) if cores and cores > 1 else _DEFAULT_SMS
+
+
+def backward_programs(n: int, rows: int, rows_per_block: int, sms: int | None = None) -> int:
+    """The backward's persistent programs: enough for ``_RESIDENT_WARPS`` warps on each of
+    the ``sms`` SMs (default :func:`multiprocessors`), fewer (down to one per SM) where a
+    program would get fewer than 8 rows, at most one per row block, and above one per
+    SM a whole multiple of the SMs (no partial wave)."""
+    sms = multiprocessors() if sms is None else sms
     per_sm = max(1, _RESIDENT_WARPS // num_warps(n, rows_per_block))
-    enough_rows = max(_SMS, pl.cdiv(rows, _MIN_ROWS_PER_PROGRAM))
-    return max(1, min(pl.cdiv(rows, rows_per_block), _SMS * per_sm, enough_rows))
+    enough_rows = max(sms, pl.cdiv(rows, _MIN_ROWS_PER_PROGRAM))
+    programs = max(1, min(pl.cdiv(rows, rows_per_block), sms * per_sm, enough_rows))
+    return programs // sms * sms if programs > sms else programs
 
 
 def fits(spec: KernelSpec, rows: int, x_dtype, **call_dtypes) -> bool:
