@@ -118,6 +118,8 @@ def prenorm_stack_train_step(
         grads = jax.grad(objective)(params, h)
         return jax.tree.map(lambda p, g: p - 1e-3 * g.astype(p.dtype), params, grads)
 
+    train_step.objective = objective  # the loss, for what its backward keeps (tests)
+
     def params_shapes(d: int, dtype) -> dict:
         s = jax.ShapeDtypeStruct
         hidden = _mlp_hidden(d, mlp)

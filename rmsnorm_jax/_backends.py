@@ -74,7 +74,7 @@ def offset_scaled(a: jax.Array, factor: jax.Array, offset: float) -> jax.Array:
     On GPU the offset is applied to the product so that no ``factor + offset`` exists
     as a value of its own. Written ``a * (factor + 1)``, XLA:GPU computes
     ``scale + 1`` once per use as a small kernel (f32[640]) beside the big fused ones:
-    in the Gemma-3-style train step (``benchmarks/gemma.py``, 18 blocks, H100) 4 such
+    in the Gemma-3-style train step (``benchmarks/models.py``, 18 blocks, H100) 4 such
     kernels per block and one per QK-norm: 1885 kernels in all against 1794 with this
     form (Gemma's own norm: 1723; batch 8 x 1024). On TPU the distributed form costs
     cycles (issue 20), and XLA:CPU gains nothing, so
@@ -100,7 +100,7 @@ def tpu_column_sum(prod: jax.Array, keep: tuple[int, ...]) -> jax.Array:
     (features, rows) operand and does not merge the sum into the backward's other
     passes over ``x`` and ``dy``: one extra fusion per norm, which recomputes its
     producers. As a plain reduction it joins the ``dx`` pass as it does for flax: in
-    the Gemma-3-style train step (``benchmarks/gemma.py``, TPU v5e, 18 blocks, batch
+    the Gemma-3-style train step (``benchmarks/models.py``, TPU v5e, 18 blocks, batch
     4 x 1024) the whole step from 132.2M to 128.3M estimated cycles, its non-matmul
     part from 54.3M to 50.4M, and 19 fusions fewer.
     """

@@ -84,6 +84,9 @@ class Target:
       hbm_bytes_per_s: memory bandwidth of one device (None for ``cpu``).
       has_cost_model: whether the compiler estimates the target's kernels (False for
         ``cpu`` and ``a100``: see :func:`estimate`).
+      extra_options: further compiler options, as ``(name, value)`` pairs; e.g.
+        ``dataclasses.replace(target, extra_options=((name, False),))`` with ``name =
+        "xla_gpu_enable_latency_hiding_scheduler"``.
     """
 
     name: str
@@ -91,6 +94,7 @@ class Target:
     devices: tuple[Any, ...]
     hbm_bytes_per_s: float | None
     has_cost_model: bool = True
+    extra_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def estimate_unit(self) -> str | None:
@@ -102,10 +106,12 @@ class Target:
 
     @property
     def compiler_options(self) -> dict[str, Any]:
-        """Options that make the GPU compiler write its per-kernel cost estimate."""
+        """Options that make the GPU compiler write its per-kernel cost estimate, and
+        :attr:`extra_options`."""
+        options = dict(self.extra_options)
         if self.platform == "cuda" and self.has_cost_model:
-            return {"xla_gpu_collect_cost_model_stats": True}
-        return {}
+            options["xla_gpu_collect_cost_model_stats"] = True
+        return options
 
     def mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> Mesh:
         """A mesh of the target's devices, e.g. ``target.mesh((4, 2), ("data", "model"))``."""

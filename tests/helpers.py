@@ -6,8 +6,6 @@ import contextlib
 import importlib.util
 import math
 import os
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -188,21 +186,3 @@ def aot_target(name: str):
     from rmsnorm_jax import aot
 
     return aot.get_target(name)
-
-
-# ---------------------------------------------------------------- benchmark modules
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_benchmark_module(name: str):
-    """The module ``benchmarks/<name>.py`` (the benchmarks are scripts, not a package),
-    loaded once, with ``benchmarks/`` on the path for its own imports."""
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module

@@ -2,7 +2,8 @@
 
 ``rmsnorm_jax.nnx.RMSNorm.gemma`` takes Gemma's argument names and its ``(1 + scale)``
 semantics (MaxText's own norm is ``x_hat * scale``: tests/test_integrations.py); the trap
-it avoids is a zero-centred scale read as ``x_hat * scale``. The oracle is each model's own formula, written here in float64.
+it avoids is a zero-centred scale read as ``x_hat * scale``. The oracle is each model's
+own formula, written here in float64.
 """
 
 import warnings

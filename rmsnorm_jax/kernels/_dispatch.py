@@ -43,7 +43,7 @@ class Measurement:
 
 # Empty: the kernels' speed has not been measured on a GPU or TPU yet (no device in the
 # sessions that wrote them; XLA's cost models give no estimate for a custom call). So
-# "auto" stays on XLA everywhere until `benchmarks/device_bench.py` on a device shows a
+# "auto" stays on XLA everywhere until `python -m benchmarks ops` on a device shows a
 # win; then add the measurement here, with its device, date and result file.
 MEASURED: tuple[Measurement, ...] = ()
 
