@@ -340,3 +340,50 @@ def test_modules_support_forward_mode(x64):
     chex.assert_trees_all_close(
         jax.jvp(lambda x: ours(x), (x,), (dx,)), jax.jvp(lambda x: theirs(x), (x,), (dx,)), **F64
     )
+
+
+# ---------------------------------------------------------------- compiled programs kept
+
+# Compiled with the custom_vjp core of commit cc82453 (before forward mode) and with this
+# one, jax 0.10.2 (libtpu 0.0.42.1, CUDA plugin 0.10.2), deviceless: identical. Keyed by
+# (target, program): (temp bytes, kernels) of the Gemma-3-style step (models.SMALL,
+# batch 2 x 64), and temp bytes of the uniform pre-norm step (d 512, 4096 tokens).
+RECORDED_JAX = "0.10.2"
+RECORDED = {
+    ("h100", "gemma scan"): (2569688, 202),
+    ("h100", "gemma unrolled"): (1985312, 172),
+    ("tpu-v5e", "gemma scan"): (3870720, 186),
+    ("tpu-v5e", "gemma unrolled"): (0, 175),
+    ("h100", "uniform relu"): 470583736,
+    ("h100", "uniform swiglu"): 881626088,
+    ("tpu-v5e", "uniform relu"): 370647040,
+    ("tpu-v5e", "uniform swiglu"): 825121792,
+}
+
+
+@pytest.mark.parametrize("target_name", ["h100", "tpu-v5e"])
+def test_compiled_train_steps_unchanged_by_forward_mode(target_name):
+    """Forward mode changed no reverse-mode program: the Gemma-3-style step and the
+    uniform step compile to the temp memory and kernel counts recorded before it."""
+    if jax.__version__ != RECORDED_JAX:
+        pytest.skip(f"recorded with jax {RECORDED_JAX}; this is jax {jax.__version__}")
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from helpers import aot_target
+
+    target = aot_target(target_name)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    estimates = importlib.import_module("benchmarks.estimates")
+    models = importlib.import_module("benchmarks.models")
+    for mode in ("scan", "unrolled"):
+        record, _ = estimates.gemma_step(target, models.SMALL, "rms_norm", mode, 2, 64)
+        got = (record["temp_bytes"], record["kernels"])
+        assert got == RECORDED[(target_name, f"gemma {mode}")], (mode, got)
+    memory = estimates.train_step_memory(
+        target, ("rms_norm", "flax RMSNorm"), d=512, tokens=4096, mlps=("relu", "swiglu")
+    )
+    for r in memory:
+        if r["norm"] == "rms_norm":
+            assert r["temp_bytes"] == RECORDED[(target_name, f"uniform {r['mlp']}")], r
