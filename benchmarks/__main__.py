@@ -33,6 +33,13 @@ sections:
              2-block config, a smoke run), into OUT/<device>-measured.* (section "gemma").
              With --target T: estimate: temporary memory, kernels, the compiler's estimate
              of the step and of its non-matmul part; writes OUT/gemma-<target>.md, .json.
+  maxtext    Is our norm ever behind MaxText's own inside a MaxText-shaped model?
+             Needs --target T: a Llama2-style decoder as MaxText builds it (4 layers, d
+             1024, 8 heads of 128, MLP 3584, vocab 32,000, batch 4 x 1024; loss + grad +
+             AdamW) with MaxText's norm (two roundings) and with ours, layers under scan
+             and unrolled, remat full, minimal and none; estimate: temporary memory,
+             kernels, the compiler's estimate of the step and of its non-matmul part,
+             ours over MaxText's; writes OUT/maxtext-<target>-jax<version>.md, .json.
   estimates  What do the TPU and GPU compilers make of the ops and the pre-norm step?
              Needs --target T: estimate of the ops programs, the fused ops, the step's
              memory and kernels per MLP and a whole unrolled step; writes
@@ -48,6 +55,7 @@ the committed result files and the command that wrote each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -66,7 +74,7 @@ import jax.numpy as jnp
 
 from . import models, peers, report, timing
 
-SECTIONS = ("ops", "step", "gemma", "estimates")
+SECTIONS = ("ops", "step", "gemma", "maxtext", "estimates")
 SIZES_MIB, QUICK_SIZES_MIB = (32, 256), (0.125,)
 FEATURES, QUICK_FEATURES = (1024, 4096, 5120, 8192), (256,)
 ESTIMATE_FEATURES = (256, 1024, 4096, 5120, 8192)
@@ -77,6 +85,7 @@ STEP_SHAPE = dict(layers=8, d=2048, tokens=16384)
 QUICK_STEP_SHAPE = dict(layers=2, d=64, tokens=128)
 GEMMA_BATCH, QUICK_GEMMA_BATCH = (8, 1024), (2, 16)
 QUICK_GEMMA_ESTIMATE_BATCH = (2, 64)
+MAXTEXT_BATCH, QUICK_MAXTEXT_BATCH = (4, 1024), (2, 128)
 
 
 # ---------------------------------------------------------------- the command line
@@ -166,6 +175,15 @@ def parser() -> argparse.ArgumentParser:
         help="--target: a JSON of an earlier run: its records for the norms and modes not "
         "compiled in this run are kept",
     )
+    maxtext = section("maxtext", [common])
+    maxtext.add_argument("--target", required=True, help="h100, tpu-v5e, tpu-v6e, ...")
+    maxtext.add_argument("--modes", default="scan,unrolled", help="layers: scan, unrolled")
+    maxtext.add_argument(
+        "--remats", default=",".join(models.REMAT_POLICIES), help="full, minimal, none"
+    )
+    maxtext.add_argument("--batch", type=int, default=None, help="default 4 (quick: 2)")
+    maxtext.add_argument("--seq", type=int, default=None, help="default 1024 (quick: 128)")
+    maxtext.add_argument("--hlo-dir", default=None, help="also write each optimized program there")
     estimates = section("estimates", [common, dtypes])
     estimates.add_argument("--target", required=True, help="h100, tpu-v5e, tpu-v6e, ...")
     estimates.add_argument(
@@ -205,6 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
         return run_estimates(args)
     if args.section == "gemma" and args.target:
         return run_gemma_estimates(args)
+    if args.section == "maxtext":
+        return run_maxtext_estimates(args)
     return run_device(args)
 
 
@@ -573,6 +593,71 @@ def run_gemma_estimates(args) -> dict:
             (out / f"{stem}.json").write_text(json.dumps(saved, indent=1))
             (out / f"{stem}.md").write_text(header + report.gemma_markdown(target, records) + "\n")
     print(header + report.gemma_markdown(target, records))
+    return dict(saved, out=str(out), stem=stem)
+
+
+def _choices(value: str, allowed, option: str) -> list[str]:
+    chosen = value.split(",")
+    unknown = [c for c in chosen if c not in allowed]
+    if unknown:
+        raise SystemExit(f"{option}: unknown {unknown}; choose from {', '.join(allowed)}")
+    return chosen
+
+
+def run_maxtext_estimates(args) -> dict:
+    """The MaxText-shaped step compiled for T: each norm, layer mode and remat policy."""
+    from . import estimates
+
+    target = _target(estimates, args.target)
+    cfg = models.MAXTEXT_QUICK if args.quick else models.MAXTEXT_TABLES
+    default = QUICK_MAXTEXT_BATCH if args.quick else MAXTEXT_BATCH
+    batch, seq = args.batch or default[0], args.seq or default[1]
+    modes = _choices(args.modes, estimates.MAXTEXT_MODES, "--modes")
+    remats = _choices(args.remats, models.REMAT_POLICIES, "--remats")
+    stem = (
+        "maxtext-"
+        + target.name.replace(":", "_")
+        + f"-jax{jax.__version__}"
+        + ("-quick" if args.quick else "")
+    )
+    out = report.output_dir(args.out, args.quick)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"maxtext for {target.name}; writing {out / stem}.md/.json", flush=True)
+    header = report.maxtext_header(
+        target, cfg, batch, seq, args.command, args.quick, jax.__version__
+    )
+    records = []
+    saved = {}
+    for mode in modes:
+        for remat in remats:
+            for name in peers.MAXTEXT_NORMS:
+                record, compiled = estimates.maxtext_step(
+                    target, cfg, name, mode, remat, batch, seq
+                )
+                records.append(record)
+                if args.hlo_dir and compiled is not None:
+                    hlo = Path(args.hlo_dir)
+                    hlo.mkdir(parents=True, exist_ok=True)
+                    safe = "".join(c if c.isalnum() else "_" for c in name)
+                    (hlo / f"{stem}-{mode}-{remat}-{safe}.txt").write_text(compiled.as_text())
+                print(json.dumps(record), flush=True)
+                report.maxtext_relative(records)
+                saved = dict(
+                    target=target.name,
+                    unit=target.estimate_unit,
+                    jax=jax.__version__,
+                    command=args.command,
+                    quick=args.quick,
+                    config=dict(dataclasses.asdict(cfg), dtype=jnp.dtype(cfg.dtype).name),
+                    batch=batch,
+                    seq=seq,
+                    records=records,
+                )
+                (out / f"{stem}.json").write_text(json.dumps(saved, indent=1))
+                (out / f"{stem}.md").write_text(
+                    header + report.maxtext_markdown(target, records) + "\n"
+                )
+    print(header + report.maxtext_markdown(target, records))
     return dict(saved, out=str(out), stem=stem)
 
 

@@ -11,7 +11,9 @@ and a loop body counts once.
 - :func:`train_step_memory`: the pre-norm stack's train step per MLP and norm: temporary
   memory, and its kernels split into matmuls and the rest (:func:`split_kernels`);
 - :func:`train_step_cost`: the estimate of a whole (unrolled) step per norm;
-- :func:`gemma_step`: the Gemma-3-style step per norm, unrolled or scanned.
+- :func:`gemma_step`: the Gemma-3-style step per norm, unrolled or scanned;
+- :func:`maxtext_step`: the MaxText-shaped step per norm, scanned or unrolled, per remat
+  policy.
 
 Needs ``JAX_PLATFORMS=cpu`` set before jax is imported and the ``aot`` extra.
 """
@@ -31,6 +33,7 @@ from . import models
 from .peers import (
     FUSED,
     IMPLEMENTATIONS,
+    MAXTEXT_NORMS,
     STEP_FLOOR,
     copy_baseline,
     forward_backward,
@@ -51,6 +54,7 @@ MEMORY_NORMS = (
 )
 COST_NORMS = ("rms_norm", "flax RMSNorm", "flax LayerNorm", "jnp + autodiff")
 GEMMA_MODES = ("unrolled", "scan")
+MAXTEXT_MODES = ("scan", "unrolled")
 
 
 def target(name: str) -> aot.Target:
@@ -330,6 +334,65 @@ def gemma_step(target: aot.Target, cfg: models.Config, name: str, mode: str, bat
         kernels=fields["kernels"],
         step=fields["matmul_estimate"] + fields["other_estimate"],
         non_matmul=fields["other_estimate"],
+        compile_s=time.perf_counter() - start,
+    )
+    return record, compiled
+
+
+# ---------------------------------------------------------------- the MaxText-shaped step
+
+
+def compile_maxtext_step(
+    target: aot.Target,
+    cfg: models.MaxTextConfig,
+    norm,
+    scan: bool,
+    remat: str,
+    batch: int,
+    seq: int,
+):
+    """The train step compiled for one device of ``target`` (params and state donated)."""
+    mesh = _one_device(target)
+    shapes = models.maxtext_step_shapes(cfg, scan, batch, seq)
+    structs = jax.tree.map(lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes)
+    step = jax.jit(models.maxtext_train_step(cfg, norm, scan, remat), donate_argnums=(0, 1))
+    return target.compile(step, *structs)
+
+
+def maxtext_step(
+    target: aot.Target,
+    cfg: models.MaxTextConfig,
+    name: str,
+    mode: str,
+    remat: str,
+    batch: int,
+    seq: int,
+):
+    """``(record, compiled)`` of one norm of ``MAXTEXT_NORMS`` in one mode (``"scan"`` or
+    ``"unrolled"``) and remat policy: temp memory, kernels (matmuls apart), the estimate
+    of the whole step and of its non-matmul kernels (``compiled`` None where the TPU
+    compiler refused the program for its HBM)."""
+    start = time.perf_counter()
+    record = dict(norm=name, mode=mode, remat=remat, batch=batch, seq=seq, layers=cfg.layers)
+    try:
+        compiled = compile_maxtext_step(
+            target, cfg, MAXTEXT_NORMS[name], mode == "scan", remat, batch, seq
+        )
+    except jax.errors.JaxRuntimeError as err:
+        if _hbm_refusal(err) is None:
+            raise
+        record.update(fits=False, temp_bytes=_hbm_refusal(err))
+        record["compile_s"] = time.perf_counter() - start
+        return record, None
+    fields = kernel_fields(compiled, target)
+    record.update(
+        fits=True,
+        temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+        kernels=fields["kernels"],
+        matmul_kernels=fields["matmul_kernels"],
+        step=fields["matmul_estimate"] + fields["other_estimate"],
+        non_matmul=fields["other_estimate"],
+        costliest_other=fields["costliest_other"],
         compile_s=time.perf_counter() - start,
     )
     return record, compiled

@@ -16,6 +16,14 @@
   :func:`gemma_train_step`: cross-entropy loss, gradient and an AdamW update (optax);
   ``scan=False`` unrolls the blocks in Python (as flax's example does), ``scan=True`` stacks
   their parameters and runs them under ``lax.scan``. :func:`gemma_inputs` makes its arrays.
+- A MaxText-shaped Llama2-style decoder (:class:`MaxTextConfig`, :func:`maxtext_train_step`),
+  written from MaxText's public architecture (``decoder_block: llama2``): a token embedding
+  and an untied output projection; per layer a pre-norm around causal multi-head attention
+  with RoPE and around a SwiGLU MLP, each added to the residual stream; a final norm;
+  ones-initialised ``x_hat * scale`` norms (``peers.MAXTEXT_NORMS``). Each layer runs
+  under ``jax.checkpoint`` with MaxText's remat policy (``full``, ``minimal``; ``none``
+  leaves it out), the layers under ``lax.scan`` or unrolled. Float32 parameters, bfloat16
+  activations, float32 logits, AdamW with MaxText's defaults.
 """
 
 from __future__ import annotations
@@ -338,3 +346,180 @@ def gemma_inputs(cfg: Config, scan: bool, batch: int, seq: int):
     tokens = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab)
     params = init_params(cfg, jax.random.key(1), scan)
     return params, optimizer().init(params), tokens[:, :-1], tokens[:, 1:]
+
+
+# ---------------------------------------------------------------- the MaxText-shaped decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxTextConfig:
+    """The shape of a Llama2-style decoder as MaxText builds it (``decoder_block: llama2``).
+
+    The defaults are the tables' moderate size, a 4-layer cut of MaxText's ``llama2-7b``
+    widths scaled to compile in minutes on two CPU cores; :data:`MAXTEXT_QUICK` is the
+    smoke-run size."""
+
+    vocab: int = 32_000
+    d: int = 1024
+    layers: int = 4
+    heads: int = 8
+    head_dim: int = 128
+    hidden: int = 3584
+    eps: float = 1e-5  # MaxText's normalization_layer_epsilon for llama2
+    rope_base: float = 10_000.0
+    dtype: jnp.dtype = jnp.bfloat16  # activations; parameters are float32
+
+
+MAXTEXT_TABLES = MaxTextConfig()
+MAXTEXT_QUICK = MaxTextConfig(vocab=1024, d=256, layers=2, heads=4, head_dim=64, hidden=512)
+REMAT_POLICIES = ("full", "minimal", "none")
+
+
+def remat_policy(name: str):
+    """MaxText's ``remat_policy``: ``"full"`` checkpoints each layer saving nothing (the
+    whole layer's forward is recomputed in the backward), ``"minimal"`` saves the matmuls
+    without batch dimensions (the projections, not the attention's ``q @ k``), ``"none"``
+    does not checkpoint. Returns ``(checkpointed, policy)``."""
+    if name == "full":
+        return True, None
+    if name == "minimal":
+        return True, jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims
+    if name == "none":
+        return False, None
+    raise ValueError(f"remat_policy={name!r}: expected one of {REMAT_POLICIES}")
+
+
+def _maxtext_layer_shapes(cfg: MaxTextConfig) -> dict[str, tuple[int, ...]]:
+    # MaxText's DenseGeneral kernels: (embed, heads, head_dim) in, (heads, head_dim, embed) out.
+    return {
+        "pre_self_attention_layer_norm": (cfg.d,),
+        "query": (cfg.d, cfg.heads, cfg.head_dim),
+        "key": (cfg.d, cfg.heads, cfg.head_dim),
+        "value": (cfg.d, cfg.heads, cfg.head_dim),
+        "out": (cfg.heads, cfg.head_dim, cfg.d),
+        "post_self_attention_layer_norm": (cfg.d,),
+        "wi_0": (cfg.d, cfg.hidden),
+        "wi_1": (cfg.d, cfg.hidden),
+        "wo": (cfg.hidden, cfg.d),
+    }
+
+
+def maxtext_init_params(
+    cfg: MaxTextConfig, key: jax.Array, scan: bool, norm_scale_std: float = 0.0
+) -> dict:
+    """Float32 parameters: kernels ~ N(0, 1/fan_in), norm scales ones (MaxText's init)
+    plus ``norm_scale_std`` x N(0, 1) where > 0 (tests: a scale of ones hides scale
+    errors). ``scan``: the layers stacked on a leading axis, else a list of layers."""
+
+    def layer(k):
+        out = {}
+        shapes = _maxtext_layer_shapes(cfg)
+        for (name, shape), kk in zip(shapes.items(), jax.random.split(k, len(shapes)), strict=True):
+            if name.endswith("norm"):
+                out[name] = 1 + norm_scale_std * jax.random.normal(kk, shape, jnp.float32)
+            else:
+                fan_in = cfg.heads * cfg.head_dim if name == "out" else shape[0]
+                out[name] = jax.random.normal(kk, shape, jnp.float32) / math.sqrt(fan_in)
+        return out
+
+    k_embed, k_logits, k_final, *k_layers = jax.random.split(key, cfg.layers + 3)
+    layers = [layer(k) for k in k_layers]
+    if scan:
+        layers = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    final = 1 + norm_scale_std * jax.random.normal(k_final, (cfg.d,), jnp.float32)
+    return {
+        "token_embedder": jax.random.normal(k_embed, (cfg.vocab, cfg.d), jnp.float32),
+        "layers": layers,
+        "decoder_norm": final,
+        "logits_dense": jax.random.normal(k_logits, (cfg.d, cfg.vocab), jnp.float32)
+        / math.sqrt(cfg.d),
+    }
+
+
+def _maxtext_attention(cfg: MaxTextConfig, p, x):
+    """Multi-head causal attention with RoPE on the query and key; the query scaled by
+    ``1/sqrt(head_dim)``; the softmax in float32."""
+    dt = cfg.dtype
+    batch, seq, _ = x.shape
+    q, k, v = (jnp.einsum("btd,dhk->bthk", x, p[n].astype(dt)) for n in ("query", "key", "value"))
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    q, k = _rope(q, positions, cfg.rope_base), _rope(k, positions, cfg.rope_base)
+    q = q * jnp.asarray(cfg.head_dim**-0.5, dt)
+    logits = jnp.einsum("bthk,bshk->bhts", q, k).astype(jnp.float32)
+    causal = jnp.arange(seq)[:, None] >= jnp.arange(seq)[None, :]
+    logits = jnp.where(causal, logits, -1e30)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dt)
+    out = jnp.einsum("bhts,bshk->bthk", probs, v)
+    return jnp.einsum("bthk,hkd->btd", out, p["out"].astype(dt))
+
+
+def _maxtext_layer(cfg: MaxTextConfig, norm, p, x):
+    """One llama2 decoder layer: pre-norm attention and pre-norm SwiGLU MLP, each added
+    to the residual stream."""
+    dt = cfg.dtype
+    x = x + _maxtext_attention(cfg, p, norm(x, p["pre_self_attention_layer_norm"]))
+    y = norm(x, p["post_self_attention_layer_norm"])
+    gate, up = (y @ p[n].astype(dt) for n in ("wi_0", "wi_1"))
+    return x + (jax.nn.silu(gate) * up) @ p["wo"].astype(dt)
+
+
+def maxtext_logits(cfg: MaxTextConfig, norm, params, tokens, scan: bool, remat: str = "full"):
+    """Logits (batch, seq, vocab) in float32 (MaxText's ``cast_logits_to_fp32``).
+
+    Each layer runs under ``jax.checkpoint`` with MaxText's ``remat`` policy (scanned or
+    not, as MaxText wraps its decoder layer); ``scan``: ``lax.scan`` over the stacked
+    layers, else a Python loop over the list of layers."""
+    dt = cfg.dtype
+    checkpointed, policy = remat_policy(remat)
+
+    def layer(x, p):
+        return _maxtext_layer(cfg, norm, p, x), None
+
+    if checkpointed:
+        layer = jax.checkpoint(layer, policy=policy, prevent_cse=not scan)
+    x = params["token_embedder"][tokens].astype(dt)
+    if scan:
+        x, _ = lax.scan(layer, x, params["layers"])
+    else:
+        for p in params["layers"]:
+            x, _ = layer(x, p)
+    x = norm(x, params["decoder_norm"])
+    return (x @ params["logits_dense"].astype(dt)).astype(jnp.float32)
+
+
+def maxtext_loss(cfg: MaxTextConfig, norm, params, tokens, targets, scan: bool, remat: str):
+    """Mean next-token cross-entropy on the float32 logits."""
+    logits = maxtext_logits(cfg, norm, params, tokens, scan, remat)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - picked)
+
+
+def maxtext_optimizer() -> optax.GradientTransformation:
+    """MaxText's default AdamW (``adam_b1`` 0.9, ``adam_b2`` 0.95, ``adam_eps`` 1e-8,
+    ``adam_weight_decay`` 0.1)."""
+    return optax.adamw(1e-4, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def maxtext_train_step(cfg: MaxTextConfig, norm, scan: bool, remat: str = "full"):
+    """``step(params, opt_state, tokens, targets) -> (params, opt_state, loss)``: loss,
+    gradient and an AdamW update; ``norm(x, scale) -> y`` in ``x``'s dtype with ``scale``
+    the stored float32 parameter (``peers.MAXTEXT_NORMS``)."""
+    opt = maxtext_optimizer()
+
+    def step(params, opt_state, tokens, targets):
+        loss, grads = jax.value_and_grad(
+            lambda p: maxtext_loss(cfg, norm, p, tokens, targets, scan, remat)
+        )(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def maxtext_step_shapes(cfg: MaxTextConfig, scan: bool, batch: int, seq: int):
+    """``(params, opt_state, tokens, targets)`` as ``ShapeDtypeStruct``s."""
+    params = jax.eval_shape(lambda: maxtext_init_params(cfg, jax.random.key(0), scan))
+    opt_state = jax.eval_shape(maxtext_optimizer().init, params)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    return params, opt_state, tokens, tokens

@@ -13,7 +13,9 @@ estimate of one name are of the same program:
   RMSNorm, tokamax and our fused kernels where the platform has them;
 - :func:`step_norms`: the norms of the pre-norm train step (``models.prenorm_stack_train_step``);
 - :data:`GEMMA_NORMS`: the ``(1 + scale)`` norms of the Gemma-3-style step, each the way one
-  library or model writes it.
+  library or model writes it;
+- :data:`MAXTEXT_NORMS`: MaxText's ``x_hat * scale`` norm (two roundings) and ours on its
+  parameter, for the MaxText-shaped step.
 """
 
 from __future__ import annotations
@@ -349,3 +351,34 @@ def gemma_norms(platform: str | None = None) -> dict[str, Callable]:
     if HAS_IMPLEMENTATION and platform not in (None, "cpu"):
         norms["rms_norm [pallas]"] = gemma_ours_pallas
     return norms
+
+
+# ---------------------------------------------------------------- MaxText's x_hat * scale norms
+# ``norm(x, scale) -> y`` in x's dtype, ``scale`` the stored float32 parameter (ones-
+# initialised): every one computes y = x / RMS(x) * scale, with llama2's epsilon.
+
+MAXTEXT_EPS = 1e-5
+MAXTEXT_REFERENCE = "maxtext's own"
+
+
+def maxtext_formula(x, scale, eps: float = MAXTEXT_EPS):
+    """MaxText's ``RMSNorm.__call__`` (``maxtext/layers/normalizations.py``, 0.2.5) with
+    ``scale_offset=0`` and ``dtype`` = x's dtype: normalise in float32 and round ``x_hat``
+    to x's dtype, then multiply by the scale cast to x's dtype, in that dtype (two
+    roundings); the multiply is MaxText's ``einsum``."""
+    xf = x.astype(jnp.float32)
+    mean2 = jnp.mean(jax.lax.square(xf), axis=-1, keepdims=True)
+    y = (xf * jax.lax.rsqrt(mean2 + eps)).astype(x.dtype)
+    return jnp.einsum("...k,k->...k", y, scale.astype(jnp.float32).astype(x.dtype))
+
+
+def maxtext_ours(x, scale, eps: float = MAXTEXT_EPS):
+    """``rmsnorm_jax.rms_norm`` on MaxText's parameter: float32 arithmetic, one rounding
+    to x's dtype (what ``integrations.patch_maxtext()`` computes)."""
+    return rmsnorm_jax.rms_norm(x, scale, eps, dtype=x.dtype)
+
+
+MAXTEXT_NORMS: dict[str, Callable] = {
+    "rms_norm": maxtext_ours,
+    MAXTEXT_REFERENCE: maxtext_formula,
+}

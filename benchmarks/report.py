@@ -4,7 +4,8 @@ Device runs (``ops``, ``step``, ``gemma`` on the device jax sees) share one repo
 device, ``<out>/<device>-measured.{md,json,png}``, one entry per section in ``sections``
 (a run of one section keeps the others): :func:`write_report`. Deviceless runs write
 ``<target>.md``, ``<target>-summary.md``, ``<target>-fused.md`` (``estimates``) and
-``gemma-<target>.md`` (``gemma --target``), each with its JSON.
+``gemma-<target>.md`` (``gemma --target``), ``maxtext-<target>-jax<version>.md``
+(``maxtext``), each with its JSON.
 
 Labels: a ``--quick`` run says :data:`SMOKE` above each of its tables and in each plot;
 "% of bound" is shown only where the copy baseline was measured in the same rounds of a
@@ -673,5 +674,92 @@ def gemma_markdown(target, records: list[dict]) -> str:
             ]
         else:
             cells += ["", "", "", "", "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def maxtext_header(
+    target, cfg, batch: int, seq: int, command: str, quick: bool, jax_version: str
+) -> str:
+    from .estimates import unit_name
+
+    return (
+        caption(quick)
+        + ("\n\n" if quick else "")
+        + f"Target: {target.name} ({target.devices[0].device_kind}), jax {jax_version}; "
+        f"written by `{command}`. MaxText-shaped Llama2-style train step "
+        f"(`benchmarks/models.py`: {cfg.layers} layers, d {cfg.d}, {cfg.heads} heads of "
+        f"{cfg.head_dim}, MLP {cfg.hidden}, vocab {cfg.vocab:,}), batch {batch} x {seq}, "
+        "loss + grad + AdamW, bfloat16 activations, float32 weights, one device. "
+        "`maxtext's own`: MaxText's `RMSNorm` (x_hat rounded to bfloat16, then times the "
+        "scale in bfloat16); `rms_norm`: ours on the same parameter (float32, one rounding). "
+        "Every number is from a deviceless compile: temp memory from the compiled program, "
+        f"estimates in {unit_name(target)} from the compiler's cost model (not a hardware "
+        "timing). Under `scan` a loop body counts once in the estimates and kernels.\n\n"
+    )
+
+
+def maxtext_relative(records: list[dict]) -> None:
+    """Adds each record's ratios to MaxText's own norm in the same mode and remat policy."""
+    for r in records:
+        base = next(
+            (
+                b
+                for b in records
+                if (b["mode"], b["remat"]) == (r["mode"], r["remat"])
+                and b["norm"] == "maxtext's own"
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        for key in ("temp_bytes", "step", "non_matmul"):
+            if r.get(key) is not None and base.get(key):
+                r[f"{key}_vs_maxtext"] = r[key] / base[key]
+        if r.get("kernels") is not None and base.get("kernels") is not None:
+            r["kernels_minus_maxtext"] = r["kernels"] - base["kernels"]
+
+
+def maxtext_markdown(target, records: list[dict]) -> str:
+    """Ours over MaxText's per (layers, remat), then every record."""
+    unit = target.estimate_unit
+    ours = [r for r in records if r["norm"] == "rms_norm" and "temp_bytes_vs_maxtext" in r]
+
+    def ratio(r: dict, key: str) -> str:
+        value = r.get(f"{key}_vs_maxtext")
+        return "" if value is None else f"{value:.3f}"
+
+    lines = [
+        "Ours over MaxText's norm (below 1: ours needs less):\n",
+        "| layers | remat | temp memory | whole-step estimate | non-matmul estimate "
+        "| kernels, ours minus MaxText's |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in ours:
+        kernels = r.get("kernels_minus_maxtext")
+        lines.append(
+            f"| {r['mode']} | {r['remat']} | {ratio(r, 'temp_bytes')} | {ratio(r, 'step')} "
+            f"| {ratio(r, 'non_matmul')} | {'' if kernels is None else f'{kernels:+d}'} |"
+        )
+    lines += [
+        "",
+        "Every compiled program:\n",
+        f"| layers | remat | norm | temp MiB | kernels (matmuls) | step ({unit}) "
+        f"| non-matmul ({unit}) | compile s |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    fmt = (lambda v: f"{v:,.0f}") if unit == "cycles" else (lambda v: f"{v:,.1f}")
+    for r in records:
+        temp = f"{r['temp_bytes'] / 2**20:,.1f}" + ("" if r["fits"] else " (does not fit)")
+        cells = [r["mode"], r["remat"], r["norm"], temp]
+        if r["fits"]:
+            cells += [
+                f"{r['kernels']} ({r['matmul_kernels']})",
+                fmt(r["step"]),
+                fmt(r["non_matmul"]),
+            ]
+        else:
+            cells += ["", "", ""]
+        cells.append(f"{r['compile_s']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
