@@ -46,7 +46,7 @@ def test_each_section_has_its_own_help(section, capsys):
     assert done.value.code == 0
     text = capsys.readouterr().out
     assert "--quick" in text and "--out" in text
-    assert ("--target" in text) == (section in ("gemma", "estimates"))
+    assert ("--target" in text) == (section in ("gemma", "estimates", "maxtext"))
 
 
 def test_the_module_runs_as_a_command():
