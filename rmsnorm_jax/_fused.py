@@ -88,12 +88,16 @@ def _add_bwd(cfg, acfg, saved, cotangents):
     return dx, dresidual, dscale, dbias, None
 
 
+def _sum_present(parts: list) -> jax.Array | None:
+    """The sum of the non-zero tangent parts, or None (a zero tangent) when there are none."""
+    return functools.reduce(lambda a, b: a + b, parts) if parts else None
+
+
 def add_tangent(cfg, acfg, res, tangents):
     """The tangents of ``(y, h)``: ``dh = dx + dresidual``, ``dy = T(h; dh, ...)``."""
     h, scale, mask, row_stat = res
     dx, dresidual, dscale, dbias = tangents
-    parts = [t.astype(acfg.residual_dtype) for t in (dx, dresidual) if t is not None]
-    dh = None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    dh = _sum_present([t.astype(acfg.residual_dtype) for t in (dx, dresidual) if t is not None])
     dy = tangent_parts(cfg, h, scale, mask, row_stat, dh, dscale, dbias)
     dh_out = jnp.zeros(h.shape, acfg.residual_dtype) if dh is None else dh
     return [output_tangent(cfg, dy), dh_out]
@@ -192,7 +196,7 @@ def _gated_tangent(cfg, gcfg, res, tangents):
         parts = [dx.astype(cd) * act] if dx is not None else []
         if dgate is not None:
             parts.append(x.astype(cd) * act_grad * dgate)
-        dv = None if not parts else parts[0] if len(parts) == 1 else parts[0] + parts[1]
+        dv = _sum_present(parts)
         dy = tangent_parts(cfg, v, scale, None, row_stat, dv, dscale, dbias)
     return [output_tangent(cfg, dy)]
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -92,29 +93,18 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
     >>> print(explain(x, mask=jnp.ones((8, 16384), bool)))
     xla: the kernels do not take a mask
     """
-    from .._functional import _norm_config
+    from .._functional import _norm_config, rms_norm
     from . import gpu
 
     implementation = check_implementation(implementation)
     if implementation == "xla":
         return "xla: implementation='xla'"
+    # rms_norm's own signature: its defaults, and a TypeError for an unknown keyword.
+    call = inspect.signature(rms_norm).bind(x, scale, eps, **kwargs)
+    call.apply_defaults()
+    options = {k: v for k, v in call.arguments.items() if k not in ("x", "implementation")}
     dtype = jnp.dtype(x.dtype)
-    cfg, scale, bias, mask = _norm_config(
-        x.shape,
-        dtype,
-        scale=scale,
-        eps=eps,
-        bias=kwargs.pop("bias", None),
-        axis=kwargs.pop("axis", -1),
-        p=kwargs.pop("p", 1.0),
-        scale_offset=kwargs.pop("scale_offset", 0.0),
-        eps_placement=kwargs.pop("eps_placement", "inside"),
-        dtype=kwargs.pop("dtype", None),
-        axis_name=kwargs.pop("axis_name", None),
-        mask=kwargs.pop("mask", None),
-    )
-    if kwargs:
-        raise TypeError(f"explain() got unexpected keyword arguments {sorted(kwargs)}.")
+    cfg, scale, bias, mask = _norm_config(x.shape, dtype, **options)
     reason = why_not_kernels(cfg, x, scale, bias, mask)
     if reason is not None:
         return f"xla: the kernels do not take {reason}"
@@ -125,10 +115,9 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
             f"measured win for {jax.devices()[0].device_kind}; use implementation='pallas'"
         )
     rows = math.prod(x.shape[:-1])
-    triton = (
-        "Triton" if gpu.fits(spec, rows, dtype) else "XLA (the row does not fit the Triton kernels)"
-    )
-    interpret = "interpret mode" if gpu.fits(spec, rows, dtype) else triton
+    fits = gpu.fits(spec, rows, dtype)  # the CPU's interpret mode runs the Triton kernels
+    triton = "Triton" if fits else "XLA (the row does not fit the Triton kernels)"
+    interpret = "interpret mode" if fits else triton
     return (
         f"pallas: GPU: {triton}; TPU: Mosaic where the row fits the generation's VMEM, "
         f"else XLA; CPU: {interpret}"
