@@ -552,6 +552,16 @@ def run_estimates(args) -> dict:
     return rep
 
 
+def _write_hlo(hlo_dir: str | None, prefix: str, norm: str, compiled) -> None:
+    """With ``--hlo-dir``: the optimized program as ``<prefix>-<norm>.txt`` there."""
+    if not hlo_dir or compiled is None:
+        return
+    hlo = Path(hlo_dir)
+    hlo.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() else "_" for c in norm)
+    (hlo / f"{prefix}-{safe}.txt").write_text(compiled.as_text())
+
+
 def run_gemma_estimates(args) -> dict:
     """The Gemma-3-style step compiled for T, each norm in each mode."""
     from . import estimates
@@ -576,11 +586,7 @@ def run_gemma_estimates(args) -> dict:
             records.sort(
                 key=lambda r: (estimates.GEMMA_MODES.index(r["mode"]), order.index(r["norm"]))
             )
-            if args.hlo_dir and compiled is not None:
-                hlo = Path(args.hlo_dir)
-                hlo.mkdir(parents=True, exist_ok=True)
-                safe = "".join(c if c.isalnum() else "_" for c in name)
-                (hlo / f"{stem}-{mode}-{safe}.txt").write_text(compiled.as_text())
+            _write_hlo(args.hlo_dir, f"{stem}-{mode}", name, compiled)
             print(json.dumps(record), flush=True)
             report.gemma_relative(records)
             saved = dict(
@@ -635,11 +641,7 @@ def run_maxtext_estimates(args) -> dict:
                     target, cfg, name, mode, remat, batch, seq
                 )
                 records.append(record)
-                if args.hlo_dir and compiled is not None:
-                    hlo = Path(args.hlo_dir)
-                    hlo.mkdir(parents=True, exist_ok=True)
-                    safe = "".join(c if c.isalnum() else "_" for c in name)
-                    (hlo / f"{stem}-{mode}-{remat}-{safe}.txt").write_text(compiled.as_text())
+                _write_hlo(args.hlo_dir, f"{stem}-{mode}-{remat}", name, compiled)
                 print(json.dumps(record), flush=True)
                 report.maxtext_relative(records)
                 saved = dict(

@@ -302,30 +302,27 @@ def train_step_cost(
 # ---------------------------------------------------------------- the Gemma-3-style step
 
 
-def compile_gemma_step(
-    target: aot.Target, cfg: models.Config, norm, scan: bool, batch: int, seq: int
-):
-    """The train step compiled for one device of ``target`` (params and state donated)."""
+def _compile_on_one_device(target: aot.Target, step, shapes) -> jax.stages.Compiled:
+    """``step(*shapes)`` compiled for one device of ``target``, its first two arguments
+    (the parameters and the optimizer state) donated."""
     mesh = _one_device(target)
-    shapes = models.gemma_step_shapes(cfg, scan, batch, seq)
     structs = jax.tree.map(lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes)
-    step = jax.jit(models.gemma_train_step(cfg, norm, scan), donate_argnums=(0, 1))
-    return target.compile(step, *structs)
+    return target.compile(jax.jit(step, donate_argnums=(0, 1)), *structs)
 
 
-def gemma_step(target: aot.Target, cfg: models.Config, name: str, mode: str, batch: int, seq: int):
-    """``(record, compiled)``: temp memory, kernels and the estimates of one norm in one
-    mode (``compiled`` None where the TPU compiler refused the program for its HBM)."""
+def _step_record(target: aot.Target, record: dict, compile_step, extra=()) -> tuple:
+    """``(record, compiled)`` with the compiled step's temp memory, kernels and the
+    estimates of the whole step and of its non-matmul kernels (and the ``extra`` fields
+    of :func:`kernel_fields`); ``compiled`` None where the TPU compiler refused the
+    program for its HBM (then ``temp_bytes`` is what it asked for)."""
     start = time.perf_counter()
-    record = dict(norm=name, mode=mode, batch=batch, seq=seq, layers=cfg.layers)
-    norm = gemma_norms()[name]
     try:
-        compiled = compile_gemma_step(target, cfg, norm, mode == "scan", batch, seq)
+        compiled = compile_step()
     except jax.errors.JaxRuntimeError as err:
-        if _hbm_refusal(err) is None:
+        refused = _hbm_refusal(err)
+        if refused is None:
             raise
-        record.update(fits=False, temp_bytes=_hbm_refusal(err))
-        record["compile_s"] = time.perf_counter() - start
+        record.update(fits=False, temp_bytes=refused, compile_s=time.perf_counter() - start)
         return record, None
     fields = kernel_fields(compiled, target)
     record.update(
@@ -334,9 +331,28 @@ def gemma_step(target: aot.Target, cfg: models.Config, name: str, mode: str, bat
         kernels=fields["kernels"],
         step=fields["matmul_estimate"] + fields["other_estimate"],
         non_matmul=fields["other_estimate"],
+        **{key: fields[key] for key in extra},
         compile_s=time.perf_counter() - start,
     )
     return record, compiled
+
+
+def compile_gemma_step(
+    target: aot.Target, cfg: models.Config, norm, scan: bool, batch: int, seq: int
+):
+    """The train step compiled for one device of ``target`` (params and state donated)."""
+    step = models.gemma_train_step(cfg, norm, scan)
+    return _compile_on_one_device(target, step, models.gemma_step_shapes(cfg, scan, batch, seq))
+
+
+def gemma_step(target: aot.Target, cfg: models.Config, name: str, mode: str, batch: int, seq: int):
+    """``(record, compiled)``: temp memory, kernels and the estimates of one norm in one
+    mode (``compiled`` None where the TPU compiler refused the program for its HBM)."""
+    record = dict(norm=name, mode=mode, batch=batch, seq=seq, layers=cfg.layers)
+    norm = gemma_norms()[name]
+    return _step_record(
+        target, record, lambda: compile_gemma_step(target, cfg, norm, mode == "scan", batch, seq)
+    )
 
 
 # ---------------------------------------------------------------- the MaxText-shaped step
@@ -352,11 +368,8 @@ def compile_maxtext_step(
     seq: int,
 ):
     """The train step compiled for one device of ``target`` (params and state donated)."""
-    mesh = _one_device(target)
-    shapes = models.maxtext_step_shapes(cfg, scan, batch, seq)
-    structs = jax.tree.map(lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes)
-    step = jax.jit(models.maxtext_train_step(cfg, norm, scan, remat), donate_argnums=(0, 1))
-    return target.compile(step, *structs)
+    step = models.maxtext_train_step(cfg, norm, scan, remat)
+    return _compile_on_one_device(target, step, models.maxtext_step_shapes(cfg, scan, batch, seq))
 
 
 def maxtext_step(
@@ -372,27 +385,11 @@ def maxtext_step(
     ``"unrolled"``) and remat policy: temp memory, kernels (matmuls apart), the estimate
     of the whole step and of its non-matmul kernels (``compiled`` None where the TPU
     compiler refused the program for its HBM)."""
-    start = time.perf_counter()
     record = dict(norm=name, mode=mode, remat=remat, batch=batch, seq=seq, layers=cfg.layers)
-    try:
-        compiled = compile_maxtext_step(
-            target, cfg, MAXTEXT_NORMS[name], mode == "scan", remat, batch, seq
-        )
-    except jax.errors.JaxRuntimeError as err:
-        if _hbm_refusal(err) is None:
-            raise
-        record.update(fits=False, temp_bytes=_hbm_refusal(err))
-        record["compile_s"] = time.perf_counter() - start
-        return record, None
-    fields = kernel_fields(compiled, target)
-    record.update(
-        fits=True,
-        temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-        kernels=fields["kernels"],
-        matmul_kernels=fields["matmul_kernels"],
-        step=fields["matmul_estimate"] + fields["other_estimate"],
-        non_matmul=fields["other_estimate"],
-        costliest_other=fields["costliest_other"],
-        compile_s=time.perf_counter() - start,
+    norm = MAXTEXT_NORMS[name]
+    return _step_record(
+        target,
+        record,
+        lambda: compile_maxtext_step(target, cfg, norm, mode == "scan", remat, batch, seq),
+        extra=("matmul_kernels", "costliest_other"),
     )
-    return record, compiled

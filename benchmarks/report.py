@@ -632,19 +632,27 @@ def gemma_header(target, cfg, batch: int, seq: int, command: str, quick: bool) -
     )
 
 
-def gemma_relative(records: list[dict]) -> None:
-    """Adds each record's ratios to ``gemma's own`` norm in the same mode."""
+def add_ratios(records: list[dict], baseline: str, group: tuple[str, ...], suffix: str) -> None:
+    """Adds each record's ratios to the ``baseline`` norm's record of the same ``group``
+    (e.g. the same mode): ``<key>_vs_<suffix>`` for temp memory and the estimates,
+    ``kernels_minus_<suffix>`` for the kernel count."""
     for r in records:
         base = next(
-            (b for b in records if b["mode"] == r["mode"] and b["norm"] == "gemma's own"), None
+            (b for b in records if b["norm"] == baseline and all(b[k] == r[k] for k in group)),
+            None,
         )
         if base is None:
             continue
         for key in ("temp_bytes", "step", "non_matmul"):
             if r.get(key) is not None and base.get(key):
-                r[f"{key}_vs_gemma"] = r[key] / base[key]
+                r[f"{key}_vs_{suffix}"] = r[key] / base[key]
         if r.get("kernels") is not None and base.get("kernels") is not None:
-            r["kernels_minus_gemma"] = r["kernels"] - base["kernels"]
+            r[f"kernels_minus_{suffix}"] = r["kernels"] - base["kernels"]
+
+
+def gemma_relative(records: list[dict]) -> None:
+    """Adds each record's ratios to ``gemma's own`` norm in the same mode."""
+    add_ratios(records, "gemma's own", ("mode",), "gemma")
 
 
 def gemma_markdown(target, records: list[dict]) -> str:
@@ -701,23 +709,7 @@ def maxtext_header(
 
 def maxtext_relative(records: list[dict]) -> None:
     """Adds each record's ratios to MaxText's own norm in the same mode and remat policy."""
-    for r in records:
-        base = next(
-            (
-                b
-                for b in records
-                if (b["mode"], b["remat"]) == (r["mode"], r["remat"])
-                and b["norm"] == "maxtext's own"
-            ),
-            None,
-        )
-        if base is None:
-            continue
-        for key in ("temp_bytes", "step", "non_matmul"):
-            if r.get(key) is not None and base.get(key):
-                r[f"{key}_vs_maxtext"] = r[key] / base[key]
-        if r.get("kernels") is not None and base.get("kernels") is not None:
-            r["kernels_minus_maxtext"] = r["kernels"] - base["kernels"]
+    add_ratios(records, "maxtext's own", ("mode", "remat"), "maxtext")
 
 
 def maxtext_markdown(target, records: list[dict]) -> str:
