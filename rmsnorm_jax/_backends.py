@@ -13,7 +13,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from ._rounding import added
 
 
 def cpu_barrier(operands):
@@ -66,6 +69,30 @@ def on_gpu(operands, gpu, default):
 def on_backend(operands, *, gpu, tpu, default):
     """``gpu``, ``tpu`` or ``default`` applied to ``operands``, by the platform lowered for."""
     return lax.platform_dependent(operands, cuda=gpu, rocm=gpu, tpu=tpu, default=default)
+
+
+def residual_sum(x: jax.Array, residual: jax.Array, dtype) -> jax.Array:
+    """``h = x.astype(dtype) + residual.astype(dtype)``, the one ``h`` every reader sees.
+
+    XLA:CPU and XLA:TPU compute a 16-bit sum in float32 and, with excess precision,
+    let the statistic read the unrounded sum while the ``h`` written is rounded (TPU
+    v5e, deviceless: one fusion writes ``convert(add)`` to bfloat16 and reduces the
+    float32 ``add``); ``_rounding.added`` keeps every rounding there, at no cost in
+    kernels or in the TPU compiler's estimate. XLA:GPU writes ``h`` from a kernel of
+    its own and the normalisation reads it back (H100, deviceless: bfloat16, float32 +
+    bfloat16 and float32 -> float16), so ``h`` is rounded already; there the kept
+    float16 rounding (a subnormal branch) made XLA recompute ``h`` from both inputs
+    inside the normalisation (forward 1.18x by its cost model), so GPUs get the sum.
+    """
+    dtype = np.dtype(dtype)
+    if jnp.finfo(dtype).bits >= 32:
+        return x.astype(dtype) + residual.astype(dtype)
+
+    def plain(operands):
+        a, b = operands
+        return a.astype(dtype) + b.astype(dtype)
+
+    return on_gpu((x, residual), gpu=plain, default=lambda operands: added(*operands, dtype))
 
 
 def offset_scaled(a: jax.Array, factor: jax.Array, offset: float) -> jax.Array:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import kernels
-from ._backends import vma
+from ._backends import residual_sum, vma
 from ._functional import (
     _as_float_array,
     _check_dtype,
@@ -71,7 +71,8 @@ def add_rms_norm_core(cfg: NormConfig, acfg: AddConfig, x, residual, scale, bias
 
 
 def _add_fwd(cfg, acfg, x, residual, scale, bias, mask):
-    h = x.astype(acfg.residual_dtype) + residual.astype(acfg.residual_dtype)
+    # y and the statistic read the h that is returned and saved.
+    h = residual_sum(x, residual, acfg.residual_dtype)
     row_stat = row_statistic(cfg, h, mask)
     y = output(cfg, normalized(cfg, h, scale, bias, row_stat))
     return (y, h), (h, scale, mask, row_stat)

@@ -56,6 +56,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .._rounding import added
 from ._spec import (
     KernelSpec,
     input_grad,
@@ -291,18 +292,17 @@ def _forward_kernel(*refs, spec, rows, rows_per_block, npad, has_residual, inter
     if has_residual:
         (h_ref,) = h_ref
         res = plgpu.load(_block(res_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
-        h = x.astype(h_ref.dtype) + res.astype(h_ref.dtype)
+        if interpret:
+            # Triton rounds h to h_dtype before it is widened again, so the statistic
+            # is that of the h written (the backward's residual). Interpret mode runs
+            # this body as XLA ops, which may keep float32 values instead (excess
+            # precision); ``added`` keeps the roundings there (float16 subnormals too).
+            h = added(x, res, h_ref.dtype)
+        else:
+            h = x.astype(h_ref.dtype) + res.astype(h_ref.dtype)
         plgpu.store(_block(h_ref, r0, rows_per_block, npad), h, mask=mask)
         x = h
     xf = x.astype(_F32)
-    if has_residual and interpret and xf.dtype != h_ref.dtype:
-        # Triton rounds h to h_dtype before it is widened again, so the statistic is
-        # that of the h written (the backward's residual). Interpret mode runs this body
-        # as XLA ops, and XLA may keep the sum in float32 instead (excess precision:
-        # seen on XLA:CPU, stat off by 2e-4 relative for bfloat16); reduce_precision
-        # (which Triton has no lowering for) pins the rounding there.
-        info = jnp.finfo(h_ref.dtype)
-        xf = jax.lax.reduce_precision(xf, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
     def vector(ref):
         if ref is None:
