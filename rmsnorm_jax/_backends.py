@@ -13,7 +13,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from ._rounding import added
@@ -84,15 +83,13 @@ def residual_sum(x: jax.Array, residual: jax.Array, dtype) -> jax.Array:
     float16 rounding (a subnormal branch) made XLA recompute ``h`` from both inputs
     inside the normalisation (forward 1.18x by its cost model), so GPUs get the sum.
     """
-    dtype = np.dtype(dtype)
     if jnp.finfo(dtype).bits >= 32:
-        return x.astype(dtype) + residual.astype(dtype)
-
-    def plain(operands):
-        a, b = operands
-        return a.astype(dtype) + b.astype(dtype)
-
-    return on_gpu((x, residual), gpu=plain, default=lambda operands: added(*operands, dtype))
+        return added(x, residual, dtype, keep=False)  # no rounding to keep
+    return on_gpu(
+        (x, residual),
+        gpu=lambda operands: added(*operands, dtype, keep=False),
+        default=lambda operands: added(*operands, dtype),
+    )
 
 
 def offset_scaled(a: jax.Array, factor: jax.Array, offset: float) -> jax.Array:

@@ -47,10 +47,11 @@ def rounded(v: jax.Array, dtype) -> jax.Array:
         # float32's exponent range (bfloat16): reduce_precision rounds float32's own
         # subnormals bit for bit, and they are the format's subnormals.
         return normal
-    # 1 / q is 2**24 for float16; two exact steps keep it general for any format.
+    # 1 / q = 2**e (2**24 for float16), applied in two exact power-of-two steps so that
+    # no factor leaves float32's range for any format.
     e = -int(np.log2(float(info.smallest_subnormal)))
-    up, down = (2.0 ** (e // 2), 2.0 ** (e - e // 2)), (2.0 ** -(e // 2), 2.0 ** -(e - e // 2))
-    subnormal = jnp.round(v * up[0] * up[1]) * down[0] * down[1]
+    half, rest = e // 2, e - e // 2
+    subnormal = jnp.round(v * 2.0**half * 2.0**rest) * 2.0**-half * 2.0**-rest
     return jnp.where(jnp.abs(v) < float(info.smallest_normal), subnormal, normal)
 
 
@@ -65,18 +66,22 @@ def pinned(h: jax.Array) -> jax.Array:
     return rounded(h.astype(jnp.float32), h.dtype).astype(h.dtype)
 
 
-def added(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+def added(a: jax.Array, b: jax.Array, dtype, *, keep: bool = True) -> jax.Array:
     """``a.astype(dtype) + b.astype(dtype)``, each of its roundings kept in what reads it.
 
     With excess precision XLA may add a float32 operand unrounded, or keep the sum in
     float32, in one fusion and not in another, so that the ``h`` written and the ``h``
-    normalized differ; here every reader sees the one rounded ``h``.
+    normalized differ; here every reader sees the one rounded ``h``. ``keep=False``
+    gives the plain sum, for compilers that round it themselves (Triton, Mosaic,
+    XLA:GPU: ``_backends.residual_sum``).
 
     >>> import jax.numpy as jnp
     >>> added(jnp.float32(1.0), jnp.float32(2.0**-9), jnp.bfloat16).dtype
     dtype(bfloat16)
     """
     dtype = np.dtype(dtype)
+    if not keep:
+        return a.astype(dtype) + b.astype(dtype)
 
     def to(v):
         return v if v.dtype == dtype else pinned(v.astype(dtype))

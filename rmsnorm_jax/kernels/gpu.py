@@ -292,14 +292,11 @@ def _forward_kernel(*refs, spec, rows, rows_per_block, npad, has_residual, inter
     if has_residual:
         (h_ref,) = h_ref
         res = plgpu.load(_block(res_ref, r0, rows_per_block, npad), mask=mask, other=0.0)
-        if interpret:
-            # Triton rounds h to h_dtype before it is widened again, so the statistic
-            # is that of the h written (the backward's residual). Interpret mode runs
-            # this body as XLA ops, which may keep float32 values instead (excess
-            # precision); ``added`` keeps the roundings there (float16 subnormals too).
-            h = added(x, res, h_ref.dtype)
-        else:
-            h = x.astype(h_ref.dtype) + res.astype(h_ref.dtype)
+        # Triton rounds h to h_dtype before it is widened again, so the statistic is
+        # that of the h written (the backward's residual). Interpret mode runs this
+        # body as XLA ops, which may keep float32 values instead (excess precision);
+        # ``added`` keeps the roundings there (float16 subnormals too).
+        h = added(x, res, h_ref.dtype, keep=interpret)
         plgpu.store(_block(h_ref, r0, rows_per_block, npad), h, mask=mask)
         x = h
     xf = x.astype(_F32)

@@ -468,14 +468,10 @@ def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, in
         bias_ref = refs.pop(0) if spec.has_bias else None
         y_ref, stat_ref = refs.pop(0), refs.pop(0)
         if with_residual:
-            xv, rv = x_ref[...], res_ref[...]
-            if interpret:
-                # Mosaic rounds h to h_dtype before it is widened again; interpret mode
-                # runs this body as XLA ops, which may keep float32 values (excess
-                # precision): ``added`` keeps the roundings there (_rounding.py).
-                h = added(xv, rv, h_dtype)
-            else:
-                h = xv.astype(h_dtype) + rv.astype(h_dtype)
+            # Mosaic rounds h to h_dtype before it is widened again; interpret mode runs
+            # this body as XLA ops, which may keep float32 values (excess precision):
+            # ``added`` keeps the roundings there (_rounding.py).
+            h = added(x_ref[...], res_ref[...], h_dtype, keep=interpret)
             refs.pop(0)[...] = h
             xf = h.astype(jnp.float32)
         else:
