@@ -72,9 +72,12 @@ def test_auto_is_the_xla_path_until_a_measurement_says_otherwise():
     x, scale, *_ = _inputs((4, 128), jnp.bfloat16)
 
     def jaxpr(impl):
-        return str(
+        text = str(
             jax.make_jaxpr(jax.grad(lambda x: rms_norm(x, scale, implementation=impl).sum()))(x)
         )
+        # Some jax versions (0.10.0) print the rule functions with their addresses; two
+        # traces make fresh closures, so compare the programs without them.
+        return re.sub(r" at 0x[0-9a-f]+>", ">", text)
 
     assert jaxpr("auto") == jaxpr("xla")
     assert "pallas_call" not in jaxpr("auto")
