@@ -342,6 +342,27 @@ def test_modules_support_forward_mode(x64):
     )
 
 
+@pytest.mark.skipif(not hasattr(nnx, "jvp"), reason="this flax has no nnx.jvp")
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_nnx_jvp_through_the_module_and_its_scale(x64, implementation):
+    """flax's ``nnx.jvp`` with tangents on the module (its scale) and on x, against flax's
+    own ``nnx.RMSNorm`` holding the same scale."""
+    x = offset_normal((2, 8), jnp.float64)
+    dx = offset_normal((2, 8), jnp.float64, 1)
+    dscale = offset_normal((8,), jnp.float64, 2)
+
+    def run(cls, **kw):
+        layer = cls(8, param_dtype=jnp.float64, rngs=nnx.Rngs(0), **kw)
+        layer.scale[...] = offset_normal((8,), jnp.float64, 3)
+        tangent = jax.tree.map(jnp.zeros_like, layer)
+        tangent.scale[...] = dscale
+        return nnx.jvp(lambda m, x: m(x), (layer, x), (tangent, dx), graph=False)
+
+    got = run(rmsnorm_jax.nnx.RMSNorm, implementation=implementation)
+    chex.assert_trees_all_close(got, run(nnx.RMSNorm), **F64)
+    assert float(jnp.abs(got[1]).max()) > 0.1  # the tangent carries dscale and dx
+
+
 # ---------------------------------------------------------------- compiled programs kept
 
 # Compiled with the custom_vjp core of commit cc82453 (before forward mode) and with this
