@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rmsnorm_jax.kernels._spec import KernelSpec
 from rmsnorm_jax.reference import rms_norm_reference
 
 # Tolerances for comparing a result computed from dtype-d inputs with the float64
@@ -23,6 +24,21 @@ TOL = {
     jnp.dtype(jnp.bfloat16): dict(rtol=2e-2, atol=2e-2),
     jnp.dtype(jnp.float16): dict(rtol=2e-3, atol=2e-3),
 }
+
+
+def kernel_spec(n, dtype, *, k=None, eps=1e-5, inside=True, offset=0.0, scale=True, bias=True):
+    """The fused kernels' static description of a call: n features, the first k (default
+    n) in the statistic, the output dtype."""
+    return KernelSpec(
+        n=n,
+        k=n if k is None else k,
+        eps=eps,
+        inside=inside,
+        scale_offset=offset,
+        has_scale=scale,
+        has_bias=bias,
+        out_dtype=np.dtype(dtype),
+    )
 
 
 def offset_normal(shape, dtype=jnp.float32, seed=0) -> jax.Array:

@@ -14,28 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import aot_target, assert_close, to64, tol
+from helpers import kernel_spec as _spec
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import aot
 from rmsnorm_jax.kernels import gpu
-from rmsnorm_jax.kernels._spec import KernelSpec
 from rmsnorm_jax.reference import rms_norm_reference
 
 INTERPRET = jax.default_backend() != "gpu"
 EPS = 1e-5
-
-
-def _spec(n, dtype, *, k=None, eps=EPS, inside=True, offset=0.0, scale=True, bias=True):
-    return KernelSpec(
-        n=n,
-        k=n if k is None else k,
-        eps=eps,
-        inside=inside,
-        scale_offset=offset,
-        has_scale=scale,
-        has_bias=bias,
-        out_dtype=np.dtype(dtype),
-    )
 
 
 def _inputs(rows, n, dtype, seed=0, param_dtype=jnp.float32):

@@ -16,13 +16,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import aot_target, assert_close
+from helpers import aot_target, assert_close, kernel_spec
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import add_rms_norm, aot, rms_norm
 from rmsnorm_jax._rounding import pinned, rounded
 from rmsnorm_jax.kernels import gpu, tpu
-from rmsnorm_jax.kernels._spec import KernelSpec
 
 NUMPY_DTYPE = {jnp.float16: np.float16, jnp.bfloat16: ml_dtypes.bfloat16}
 
@@ -120,19 +119,6 @@ def test_xla_path_backward_pairs_the_rounded_h_with_its_statistic(mix):
     assert_close(ds, ds_split, rtol=1e-6, atol=1e-6)
 
 
-def _spec(n, *, eps=1e-5):
-    return KernelSpec(
-        n=n,
-        k=n,
-        eps=eps,
-        inside=True,
-        scale_offset=0.0,
-        has_scale=True,
-        has_bias=False,
-        out_dtype=np.dtype(np.float32),
-    )
-
-
 KERNELS = {
     "gpu": lambda spec, x, s, r, hd: gpu.forward(spec, x, s, None, r, h_dtype=hd, interpret=True),
     "tpu": lambda spec, x, s, r, hd: tpu.forward(spec, x, s, None, r, h_dtype=hd, interpret=True),
@@ -154,7 +140,7 @@ def test_kernels_normalize_the_h_they_write(kernel, mix):
     misses it by up to 2e-3 at bfloat16)."""
     x, r, s, _, hd = _inputs(mix, rows=16, n=256, seed=2)
     hd = hd or jnp.promote_types(x.dtype, r.dtype)
-    spec = _spec(x.shape[1])
+    spec = kernel_spec(x.shape[1], jnp.float32, bias=False)
     y, stat, h = jax.jit(lambda x, r: KERNELS[kernel](spec, x, s, r, hd))(x, r)
     y_plain, stat_plain, _ = jax.jit(lambda h: PLAIN[kernel](spec, h, s))(h)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_plain))
@@ -193,7 +179,7 @@ def test_float16_subnormal_rows_are_finite_where_the_formula_is(implementation):
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_float16_subnormal_rows_in_the_kernels(kernel):
     x = _subnormal_rows()
-    spec = _spec(x.shape[1], eps=0.0)
+    spec = kernel_spec(x.shape[1], jnp.float32, eps=0.0, bias=False)
     y, _, h = KERNELS[kernel](spec, x, jnp.ones(x.shape[1]), jnp.zeros_like(x), jnp.float16)
     np.testing.assert_allclose(np.asarray(y), _formula(h), rtol=1e-5)
 
