@@ -92,30 +92,6 @@ def residual_sum(x: jax.Array, residual: jax.Array, dtype) -> jax.Array:
     )
 
 
-def offset_scaled(a: jax.Array, factor: jax.Array, offset: float) -> jax.Array:
-    """``a * (factor + offset)``; on GPU written ``a * factor + a * offset``.
-
-    On GPU the offset is applied to the product so that no ``factor + offset`` exists
-    as a value of its own. Written ``a * (factor + 1)``, XLA:GPU computes
-    ``scale + 1`` once per use as a small kernel (f32[640]) beside the big fused ones:
-    in the Gemma-3-style train step (``benchmarks/models.py``, 18 blocks, H100) 4 such
-    kernels per block and one per QK-norm: 1885 kernels in all against 1794 with this
-    form (Gemma's own norm: 1723; batch 8 x 1024). On TPU the distributed form costs
-    cycles (issue 20), and XLA:CPU gains nothing, so
-    both keep ``a * (factor + offset)``.
-    """
-
-    def gpu(operands):
-        a, factor = operands
-        return a * factor + (a if offset == 1 else a * offset)
-
-    def default(operands):
-        a, factor = operands
-        return a * (factor + offset)
-
-    return on_gpu((a, factor), gpu=gpu, default=default)
-
-
 def tpu_column_sum(prod: jax.Array, keep: tuple[int, ...]) -> jax.Array:
     """``sum(prod)`` over the axes not in ``keep`` (size-1 dims kept): for TPUs.
 

@@ -215,6 +215,17 @@ def _sizes(spec: KernelSpec, rows: int, rows_per_block, interpret: bool) -> tupl
     return npad, rows_per_block
 
 
+def _warps(warps: int | None, n: int, rows_per_block: int) -> int:
+    if warps is None:
+        return num_warps(n, rows_per_block)
+    if warps < 1 or warps & (warps - 1) or warps > 32:
+        raise ValueError(
+            f"warps must be a power of two from 1 to 32 (Triton's num_warps), got {warps}; "
+            f"pass None for the default sizing."
+        )
+    return warps
+
+
 # ---------------------------------------------------------------- argument checks
 
 
@@ -378,6 +389,7 @@ def forward(
     h_dtype=None,
     interpret: bool = False,
     block_rows: int | None = None,
+    warps: int | None = None,
 ):
     """One pass: ``(y, stat, h)`` of rows ``x`` (``_spec.py``'s contract).
 
@@ -390,6 +402,7 @@ def forward(
       h_dtype: dtype of h; required with ``residual``.
       interpret: run in Pallas interpret mode (CPU; tests).
       block_rows: rows per program (a power of two); None for the default sizing.
+      warps: warps per program (a power of two); None for :func:`num_warps`.
 
     Returns:
       y (rows, n) in ``spec.out_dtype``; stat (rows,) float32, rsqrt(ms + eps) for
@@ -422,7 +435,7 @@ def forward(
         kernel,
         out_shape=out_shape,
         grid=(pl.cdiv(rows, rows_per_block),),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps(spec.n, rows_per_block)),
+        compiler_params=plgpu.CompilerParams(num_warps=_warps(warps, spec.n, rows_per_block)),
         interpret=interpret,
         name="rms_norm_forward",
     )(*inputs)
@@ -442,6 +455,7 @@ def backward(
     interpret: bool = False,
     block_rows: int | None = None,
     programs: int | None = None,
+    warps: int | None = None,
 ):
     """One pass: ``(dx, dscale_partials, dbias_partials)`` (``_spec.py``'s contract).
 
@@ -457,6 +471,7 @@ def backward(
       interpret: run in Pallas interpret mode (CPU; tests).
       block_rows: rows per block (a power of two); None for the default sizing.
       programs: the persistent grid's size; None for :func:`backward_programs`.
+      warps: warps per program (a power of two); None for :func:`num_warps`.
 
     Returns:
       dx (rows, n) in ``dx_dtype``; dscale_partials and dbias_partials (programs, n)
@@ -503,7 +518,7 @@ def backward(
         kernel,
         out_shape=out_shape,
         grid=(programs,),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps(spec.n, rows_per_block)),
+        compiler_params=plgpu.CompilerParams(num_warps=_warps(warps, spec.n, rows_per_block)),
         interpret=interpret,
         name="rms_norm_backward",
     )(*inputs)
