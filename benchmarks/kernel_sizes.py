@@ -4,8 +4,8 @@ Which block sizing makes the GPU kernels fastest at each width? Times the Pallas
 forward and backward kernels (``rmsnorm_jax.kernels.gpu``) alone, CUPTI device time, over
 the warps per program and (backward) the persistent grid's size, beside the XLA path's
 forward and forward+backward of the same call, on x of 32 MiB, float32 and bfloat16,
-4096-8192 features. Each variant is compiled with its sizing and timed in interleaved
-rounds. Writes OUT/kernel-sizes-<device>.json and prints a table.
+--widths features (4096, 5120, 8192 by default). Each variant is compiled with its sizing and timed in interleaved
+rounds. Writes OUT/kernel-sizes-<device>-<widths>.json and prints a table.
 
 A GPU question: on another platform it refuses (the kernels' speed on a CPU means nothing).
 """
@@ -54,7 +54,7 @@ def programs_for(n: int, dtype, mib: int, sms: int, quick: bool) -> dict:
     _, stat, _ = gpu.forward(spec, x, scale, None)
 
     def xla_fwd(x, s):
-        return rms_norm(x, s, implementation="xla")
+        return rms_norm(x, s, dtype=x.dtype, implementation="xla")
 
     def xla_fwd_bwd(x, s, dy):
         y, vjp = jax.vjp(xla_fwd, x, s)
@@ -89,13 +89,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="two widths, few variants")
+    parser.add_argument("--widths", type=int, nargs="+", default=[4096, 5120, 8192])
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     if device.platform not in ("gpu", "cuda"):
         print(f"kernel_sizes times GPU kernels; the device here is {device.platform}.")
         return 2
     sms = gpu.multiprocessors()
-    widths = (1024, 8192) if args.quick else (4096, 5120, 8192)
+    widths = (1024, 8192) if args.quick else args.widths
     results = dict(
         device=device.device_kind,
         jax=jax.__version__,
@@ -130,7 +131,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = device.device_kind.replace(" ", "-")
-    (out / f"kernel-sizes-{name}.json").write_text(json.dumps(results, indent=1))
+    (out / f"kernel-sizes-{name}-{'-'.join(map(str, widths))}.json").write_text(
+        json.dumps(results, indent=1)
+    )
     return 0
 
 

@@ -9,11 +9,12 @@ is the norm's backward rule ``B(res; dy)``. So:
 - forward mode (``jax.jvp``, ``jacfwd``, ``linearize``) evaluates ``T``;
 - reverse mode linearizes (the residuals are what ``T`` reads: ``x``, ``scale`` and one
   float32 per row, as a ``custom_vjp`` would keep) and transposes ``T`` into ``B``:
-  the hand-written backward, XLA or Pallas, never autodiff of the forward;
-- the transpose of ``B`` is ``T`` again, so forward-over-reverse works;
-- differentiating with respect to the residuals (grad-of-grad, ``hessian``) is jax's
-  own autodiff of ``T`` or ``B`` (a Pallas kernel in them differentiates as its XLA
-  twin: ``kernels._with_xla_derivative``).
+  the hand-written backward, XLA or Pallas, never autodiff of the forward. ``B`` is
+  traced into the program at that point (its operations are the program's own, seen by
+  every pass: remat, sharding, ``jax.jit`` of a vjp function);
+- differentiating ``B`` again (forward-over-reverse, grad-of-grad, ``hessian``), or ``T``
+  with respect to the residuals, is jax's own autodiff of their operations (a Pallas
+  kernel in them differentiates as its XLA twin: ``kernels._with_xla_derivative``).
 
 jax's ``jax.custom_derivatives.linear_call`` does the custom transpose too, but has no
 batching rule and refuses tangents on its residuals (jax 0.10), which ``vmap``,
@@ -104,15 +105,12 @@ def _transpose(cts, *args, fwd, bwd, num_res, out_types, lin_types):
             "residuals; please report this with the code that raised it."
         )
     cts = tuple(ad.instantiate_zeros(ct) for ct in cts)
-    lin_cts = linear_call_p.bind(
-        *res,
-        *cts,
-        fwd=bwd,
-        bwd=fwd,
-        num_res=num_res,
-        out_types=lin_types,
-        lin_types=out_types,
-    )
+    # The backward is traced here, into the program being transposed, not bound as a
+    # primitive that would trace it only when lowered: every pass over the program sees
+    # its operations. (Bound lazily, a kernel's ``custom_partitioning`` hid from jax's
+    # check for operations that need the devices while lowering, and ``jax.jit`` of a
+    # vjp function failed with an AssertionError; issue 34.)
+    lin_cts = bwd(res, cts)
     return [None] * num_res + [
         ct if ad.is_undefined_primal(a) else None for a, ct in zip(lin, lin_cts, strict=True)
     ]

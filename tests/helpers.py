@@ -109,6 +109,21 @@ def host_cpu_devices() -> list:
         return []
 
 
+@contextlib.contextmanager
+def on_host_cpu(why: str):
+    """Run the block on the host CPU backend, or skip saying ``why`` it must be XLA:CPU.
+
+    For the tests whose claim is about XLA:CPU's arithmetic (bitwise equalities that
+    XLA:CPU gives and XLA:GPU, free to contract and fuse differently per program, does
+    not), so that they test the same thing beside an accelerator.
+    """
+    cpu = host_cpu_devices()
+    if not cpu:
+        pytest.skip(f"needs the host CPU backend ({why}); add cpu to JAX_PLATFORMS")
+    with jax.default_device(cpu[0]):
+        yield
+
+
 def devices_for(n: int) -> list:
     """``n`` devices of one backend for a multi-device test, or skip naming what it needs."""
     cpu = host_cpu_devices()

@@ -219,20 +219,26 @@ def test_fits():
 
 
 def test_block_sizes():
-    # (n, rows) -> (padded features, rows per block, warps, backward programs)
+    """The sizing measured on an H200 (``gpu._BACKWARD_SIZING``'s comment), by hand:
+    (n, rows) -> (padded features, rows per block, forward warps, backward warps,
+    backward programs on 132 SMs)."""
     for (n, rows), expected in {
-        (4096, 8192): (4096, 1, 8, 264),
-        (5120, 8192): (8192, 1, 16, 132),
-        (1000, 8192): (1024, 4, 8, 264),
-        (4096, 1024): (4096, 1, 8, 132),  # fewer than 8 rows a program: one per SM
-        (4096, 100): (4096, 1, 8, 100),
-        (4096, 2000): (4096, 1, 8, 132),  # 250 would be a partial second wave: 132
-        (128, 100): (128, 32, 8, 4),
-        (100, 3): (128, 4, 1, 1),
+        (4096, 8192): (4096, 1, 8, 8, 264),
+        (4096, 2048): (4096, 1, 8, 8, 264),  # 7.75 rows a program: two programs an SM
+        (5120, 8192): (8192, 1, 8, 4, 264),  # 4 warps, two programs an SM
+        (6144, 8192): (8192, 1, 8, 4, 264),
+        (8192, 8192): (8192, 1, 8, 8, 132),  # one program an SM
+        (1000, 8192): (1024, 4, 8, 8, 264),
+        (4096, 1024): (4096, 1, 8, 8, 132),  # fewer than 4 rows a program: one per SM
+        (4096, 100): (4096, 1, 8, 8, 100),
+        (4096, 600): (4096, 1, 8, 8, 132),  # 150 would be a partial second wave: 132
+        (128, 100): (128, 32, 8, 8, 4),
+        (100, 3): (128, 4, 1, 1, 1),
     }.items():
         block = gpu.default_block_rows(n, rows)
         got = (gpu.padded_features(n), block, gpu.num_warps(n, block))
-        assert (*got, gpu.backward_programs(n, rows, block)) == expected, (n, rows)
+        got += (gpu.backward_warps(n, block), gpu.backward_programs(n, rows, block, sms=132))
+        assert got == expected, (n, rows, got)
 
 
 def test_bad_arguments_name_the_argument_and_the_fix():

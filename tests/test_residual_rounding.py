@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import aot_target, assert_close, kernel_spec
+from helpers import aot_target, assert_close, kernel_spec, on_host_cpu
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import add_rms_norm, aot, rms_norm
@@ -138,11 +138,14 @@ def test_kernels_normalize_the_h_they_write(kernel, mix):
     ``y`` and the statistic are bitwise the same kernel's plain form on the ``h`` it
     wrote, and the statistic is that of ``h`` to float32 rounding (an unrounded sum
     misses it by up to 2e-3 at bfloat16)."""
-    x, r, s, _, hd = _inputs(mix, rows=16, n=256, seed=2)
-    hd = hd or jnp.promote_types(x.dtype, r.dtype)
-    spec = kernel_spec(x.shape[1], jnp.float32, bias=False)
-    y, stat, h = jax.jit(lambda x, r: KERNELS[kernel](spec, x, s, r, hd))(x, r)
-    y_plain, stat_plain, _ = jax.jit(lambda h: PLAIN[kernel](spec, h, s))(h)
+    # Bitwise: two XLA:CPU programs round alike. XLA:GPU need not (on an H200, 933 of
+    # 4096 values 1 ulp apart): the claim is about interpret mode on XLA:CPU.
+    with on_host_cpu("interpret mode's bitwise equalities are XLA:CPU's"):
+        x, r, s, _, hd = _inputs(mix, rows=16, n=256, seed=2)
+        hd = hd or jnp.promote_types(x.dtype, r.dtype)
+        spec = kernel_spec(x.shape[1], jnp.float32, bias=False)
+        y, stat, h = jax.jit(lambda x, r: KERNELS[kernel](spec, x, s, r, hd))(x, r)
+        y_plain, stat_plain, _ = jax.jit(lambda h: PLAIN[kernel](spec, h, s))(h)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_plain))
     np.testing.assert_array_equal(np.asarray(stat), np.asarray(stat_plain))
     h64 = np.asarray(h, np.float64)

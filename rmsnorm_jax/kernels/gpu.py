@@ -70,6 +70,7 @@ from ._spec import (
 __all__ = [
     "backward",
     "backward_programs",
+    "backward_warps",
     "default_block_rows",
     "fits",
     "forward",
@@ -82,52 +83,62 @@ _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 # ---------------------------------------------------------------- block sizing
 #
-# A program holds its block of rows in registers, in float32 once loaded: the backward
-# keeps x, dy and the gain (scale + offset) live together, plus the dx temporaries.
-# Sizing targets 16 float32 elements per thread per array (a bfloat16 thread then loads
-# 32 bytes of x: two 16-byte vector loads), the shape of Triton's own LayerNorm tutorial
-# (a row per program, num_warps = block // 256, capped).
+# A program holds its block of rows in registers, in float32 once loaded. Triton needs
+# power-of-two blocks, so a row of n features is a block of ``padded_features(n)``
+# columns (5120 is padded to 8192, 3000 to 4096) with masked loads and stores.
 #
-# - _BLOCK_ELEMENTS = 4096 elements per block: rows per block = 4096 // padded features
-#   (1 row for n >= 4096, 4 rows for n = 1000, 32 rows for n = 128), so short rows still
-#   give a program enough bytes in flight (16 KiB of float32 x per block).
-# - num_warps = elements / 512 (16 per thread), between 1 and 16: 8 warps for blocks of
-#   4096 (n <= 4096), 16 for one row padded to 8192 (n = 5120 or 8192).
-# - _MAX_FEATURES = 8192. Measured with ptxas -v (sm_90a) on the PTX of a deviceless
-#   H100 compile, jax 0.10.2, blocks as above, 128 MiB inputs so the backward loops: the
-#   backward uses 97-128 registers per thread and spills nothing for n from 128 to 8192
-#   (float32, bfloat16, float16, with bias and residual); at n = 16384 (one row, 16
-#   warps, 32 float32 values per thread per array) it reaches the 128-register limit of
-#   512 threads and spills 204-2056 bytes per thread (2056 for float32 with bias and dh);
-#   with 32 warps (64 registers each) it still spills. The forward never spills (40-115
-#   registers). The working set is float32 whatever the input dtype, so the limit is the
-#   same for every dtype. Wider rows stay on XLA (``fits`` is False) until a kernel for
-#   them is measured faster.
-# - The backward's programs: the GPU's SMs (:func:`multiprocessors`: 132 on an H100
-#   SXM, 108 on an A100) times the programs that fill
-#   _RESIDENT_WARPS (16) warps per SM: 264 programs of 8 warps (n <= 4096), 132 of 16
-#   (n = 5120 or 8192). That is exactly what fits at once: a backward program of 256
-#   threads uses about 127 registers (2 programs per SM's 65536 registers), one of 512
-#   threads 128 (1 per SM), so every program starts in the first wave and none waits for
-#   another to finish. Fewer programs also mean fewer partial rows to write and sum
-#   (264 x 4096 float32 is 4 MiB, against 64 MiB of x for 8192 x 4096 bfloat16). Where
-#   that would leave a program fewer than _MIN_ROWS_PER_PROGRAM (8) rows, programs drop
-#   towards one per SM (not below): 1024 rows of 4096 (a data-parallel shard of 8192 over
-#   8 GPUs) get 132 programs, whose partials (2 MiB, likely L2-resident) are a quarter of
-#   x's 8 MiB instead of half. Above one per SM the count is a whole multiple of the SMs
-#   (no partial wave: every SM gets as many programs as every other). The
-#   issue's Triton prototype of this design ran at 1.09-1.15x a 3-move copy. Not timed
-#   on hardware (no GPU where this was written): measure before changing.
+# - Rows per block: _BLOCK_ELEMENTS (4096) // padded features, at least 1 (1 row for
+#   n >= 4096, 4 rows for n = 1000, 32 rows for n = 128): short rows still give a
+#   program 16 KiB of float32 in flight.
+# - num_warps (the forward's, and the backward's up to 4096 features): 16 float32
+#   elements per thread per array, between 1 and 8 warps (Triton's LayerNorm tutorial's
+#   shape). The forward's warps were 16 for one row padded to 8192 until the H200 sweep
+#   below: 8 warps are as fast or faster at every width there (bfloat16 n = 5120:
+#   21.7 against 24.3 us).
+# - The backward is persistent: a fixed grid of programs, each walking the row blocks
+#   ``p, p + P, ...`` and keeping its scale/bias gradient sums in registers, so it writes
+#   one float32 row of partial sums per program. Its (warps, programs per SM) come from
+#   _BACKWARD_SIZING, by padded width, measured on an H200 (132 SMs, jax 0.11.2): the
+#   kernels alone, CUPTI device time, x of 32 MiB, every (warps, programs) pair of
+#   {default, 4, 8} x {1, 2, 4 per SM, one per row block}
+#   (``python -m benchmarks.kernel_sizes``, benchmarks/results/kernel-sizes-h200.json):
 #
-# Nothing here is autotuned; ``block_rows`` and ``programs`` can be overridden per call.
+#   padded 4096: 8 warps, 2 programs per SM. float32 4096 (2048 rows) 29.7 us against
+#     40.4 with the former 1 per SM (the former rule dropped to one per SM below 8 rows a
+#     program; 7.75 rows a program is faster); bfloat16 4096: 33.6 (as before).
+#   padded 8192, n <= 6144: 4 warps, 2 programs per SM. bfloat16 5120: 34.2 us against
+#     47.2 with the former 16 warps x 1 per SM; float32 5120: 32.3 against 38.0.
+#   padded 8192, n > 6144: 8 warps, 1 program per SM. bfloat16 8192: 43.8 against 45.5
+#     (4 warps: 66-77, they spill); float32 8192: 36.6 against 36.3.
+#
+#   Why, from ``ptxas -v`` (sm_90a) on the deviceless H100 compile's PTX (jax 0.10.2),
+#   registers a thread of the backward (none spills unless said): bfloat16 5120: 4 warps
+#   237, 8 warps 152, 16 warps 108; float32 5120: 232, 128, 80; bfloat16 8192: 255 and
+#   476 bytes of spills, 192, 108; float32 8192: 255 and 376 bytes of spills, 193, 110.
+#   An SM has 65536 registers, so two programs fit on one SM only at 5120 with 4 warps
+#   (2 x 128 x 237) or float32 5120 with 8 (2 x 256 x 128); those are the fast pairs at
+#   two programs an SM, and every pair that leaves a second wave (bfloat16 5120 with 8
+#   warps and 264 programs: 49.2 us) or one program an SM is slower. A program syncs its
+#   warps for each row's sums; a second resident program keeps the SM's loads going
+#   meanwhile (the likely reason; not profiled). At 8192 no width of program fits twice
+#   without spilling: one an SM, 8 warps.
+# - _MAX_FEATURES = 8192: at 16384 the backward reaches 128 registers a thread at 16
+#   warps and spills 204-2056 bytes a thread (ptxas -v, sm_90a, deviceless H100 compile,
+#   jax 0.10.2); the forward never spills. Wider rows stay on XLA (``fits`` is False).
+# - At most one program per row block, and at least _MIN_ROWS_PER_PROGRAM (4) rows a
+#   program while that leaves one program per SM or more (1024 rows of 4096 get 132).
+#
+# Nothing here is autotuned; ``block_rows``, ``warps`` and ``programs`` can be
+# overridden per call.
 
 _BLOCK_ELEMENTS = 4096
 _ELEMENTS_PER_THREAD = 16
-_MAX_WARPS = 16
+_MAX_WARPS = 8
 _MAX_FEATURES = 8192
 _DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
-_RESIDENT_WARPS = 16
-_MIN_ROWS_PER_PROGRAM = 8
+_MIN_ROWS_PER_PROGRAM = 4
+# (largest n, warps or None for num_warps, programs per SM), by padded width.
+_BACKWARD_SIZING = ((4096, None, 2), (6144, 4, 2), (8192, 8, 1))
 # Interpret mode copies the whole array for every block it loads (CPU tests), so there
 # blocks grow until a call has at most this many.
 _INTERPRET_MAX_BLOCKS = 64
@@ -146,7 +157,7 @@ def default_block_rows(n: int, rows: int) -> int:
 
 
 def num_warps(n: int, rows_per_block: int) -> int:
-    """Warps per program: 16 float32 elements per thread, between 1 and 16 warps."""
+    """Warps per program: 16 float32 elements per thread, between 1 and 8 warps."""
     elements = rows_per_block * padded_features(n)
     return int(min(max(elements // (32 * _ELEMENTS_PER_THREAD), 1), _MAX_WARPS))
 
@@ -165,13 +176,21 @@ def multiprocessors() -> int:
     return int(cores) if cores and cores > 1 else _DEFAULT_SMS
 
 
+def backward_warps(n: int, rows_per_block: int) -> int:
+    """The backward's warps per program (``_BACKWARD_SIZING``)."""
+    for largest, warps, _ in _BACKWARD_SIZING:
+        if n <= largest:
+            return num_warps(n, rows_per_block) if warps is None else warps
+    return num_warps(n, rows_per_block)
+
+
 def backward_programs(n: int, rows: int, rows_per_block: int, sms: int | None = None) -> int:
-    """The backward's persistent programs: enough for ``_RESIDENT_WARPS`` warps on each of
-    the ``sms`` SMs (default :func:`multiprocessors`), fewer (down to one per SM) where a
-    program would get fewer than 8 rows, at most one per row block, and above one per
-    SM a whole multiple of the SMs (no partial wave)."""
+    """The backward's persistent programs: ``_BACKWARD_SIZING``'s programs per SM on
+    each of the ``sms`` SMs (default :func:`multiprocessors`), fewer (down to one per
+    SM) where a program would get fewer than 4 rows, at most one per row block, and
+    above one per SM a whole multiple of the SMs (no partial wave)."""
     sms = multiprocessors() if sms is None else sms
-    per_sm = max(1, _RESIDENT_WARPS // num_warps(n, rows_per_block))
+    per_sm = next((p for largest, _, p in _BACKWARD_SIZING if n <= largest), 1)
     enough_rows = max(sms, pl.cdiv(rows, _MIN_ROWS_PER_PROGRAM))
     programs = max(1, min(pl.cdiv(rows, rows_per_block), sms * per_sm, enough_rows))
     return programs // sms * sms if programs > sms else programs
@@ -215,9 +234,9 @@ def _sizes(spec: KernelSpec, rows: int, rows_per_block, interpret: bool) -> tupl
     return npad, rows_per_block
 
 
-def _warps(warps: int | None, n: int, rows_per_block: int) -> int:
+def _warps(warps: int | None, default: int) -> int:
     if warps is None:
-        return num_warps(n, rows_per_block)
+        return default
     if warps < 1 or warps & (warps - 1) or warps > 32:
         raise ValueError(
             f"warps must be a power of two from 1 to 32 (Triton's num_warps), got {warps}; "
@@ -435,7 +454,9 @@ def forward(
         kernel,
         out_shape=out_shape,
         grid=(pl.cdiv(rows, rows_per_block),),
-        compiler_params=plgpu.CompilerParams(num_warps=_warps(warps, spec.n, rows_per_block)),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=_warps(warps, num_warps(spec.n, rows_per_block))
+        ),
         interpret=interpret,
         name="rms_norm_forward",
     )(*inputs)
@@ -471,7 +492,7 @@ def backward(
       interpret: run in Pallas interpret mode (CPU; tests).
       block_rows: rows per block (a power of two); None for the default sizing.
       programs: the persistent grid's size; None for :func:`backward_programs`.
-      warps: warps per program (a power of two); None for :func:`num_warps`.
+      warps: warps per program (a power of two); None for :func:`backward_warps`.
 
     Returns:
       dx (rows, n) in ``dx_dtype``; dscale_partials and dbias_partials (programs, n)
@@ -518,7 +539,9 @@ def backward(
         kernel,
         out_shape=out_shape,
         grid=(programs,),
-        compiler_params=plgpu.CompilerParams(num_warps=_warps(warps, spec.n, rows_per_block)),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=_warps(warps, backward_warps(spec.n, rows_per_block))
+        ),
         interpret=interpret,
         name="rms_norm_backward",
     )(*inputs)
