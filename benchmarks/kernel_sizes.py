@@ -4,8 +4,9 @@ Which block sizing makes the GPU kernels fastest at each width? Times the Pallas
 forward and backward kernels (``rmsnorm_jax.kernels.gpu``) alone, CUPTI device time, over
 the warps per program and (backward) the persistent grid's size, beside the XLA path's
 forward and forward+backward of the same call, on x of 32 MiB, float32 and bfloat16,
---widths features (4096, 5120, 8192 by default). Each variant is compiled with its sizing and timed in interleaved
-rounds. Writes OUT/kernel-sizes-<device>-<widths>.json and prints a table.
+--widths features (4096, 5120, 8192 by default). Each variant is compiled with its
+sizing and timed in interleaved rounds. Writes
+OUT/kernel-sizes-<device>-<widths>.json and prints a table.
 
 A GPU question: on another platform it refuses (the kernels' speed on a CPU means nothing).
 """

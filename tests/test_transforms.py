@@ -69,14 +69,17 @@ def _inputs(seed=0, batch=()):
     scale = 1 + 0.2 * jax.random.normal(k[2], (N,))
     bias = 0.1 * jax.random.normal(k[3], (N,))
     cts = (jax.random.normal(k[4], shape), jax.random.normal(k[5], shape))
-    tangents = tuple(0.3 * jax.random.normal(kk, a.shape) for kk, a in
-                     zip(k[4:], (x, other, scale, bias), strict=True))
+    tangents = tuple(
+        0.3 * jax.random.normal(kk, a.shape)
+        for kk, a in zip(k[4:], (x, other, scale, bias), strict=True)
+    )
     return (x, other, scale, bias), cts, tangents
 
 
 def _loss(f, cts):
     def loss(*args):
-        return sum(jnp.sum(o * c) for o, c in zip(f(*args), cts))
+        outs = f(*args)
+        return sum(jnp.sum(o * c) for o, c in zip(outs, cts[: len(outs)], strict=True))
 
     return loss
 
