@@ -237,7 +237,9 @@ def run_device(args) -> dict:
     platform = timing.device_platform(device)
     on_device = platform != "cpu"
     args.rounds = args.rounds or (3 if args.quick else 5)
-    default_iterations = 10 if args.section == "ops" else 2
+    # A step is 10-100x an op: 10 iterations a round make the round medians of the steps
+    # agree to about 1 % (the H200's spread with 2 was up to 10 %, issue 34).
+    default_iterations = 10
     args.iterations = args.iterations or (1 if not on_device else default_iterations)
     if args.compile_workers is None:
         args.compile_workers = min(8, os.cpu_count() or 1) if on_device else 1
@@ -377,24 +379,36 @@ def run_ops(args, platform, timer, section, progress) -> None:
                 )
 
 
+def step_programs(mlp: str, dtype: str, quick: bool, platform: str) -> dict:
+    """``{norm: (step, (params, h))}``: the pre-norm stack's train step with each norm."""
+    shape = QUICK_STEP_SHAPE if quick else STEP_SHAPE
+    programs, params, h = {}, None, None
+    for label, kw in peers.step_norms(platform).items():
+        step, params_shapes = models.prenorm_stack_train_step(layers=shape["layers"], mlp=mlp, **kw)
+        if params is None:
+            params, h = models.step_inputs(
+                params_shapes, shape["d"], shape["tokens"], jnp.dtype(dtype)
+            )
+        programs[label] = (step, (params, h))
+    return programs
+
+
 def run_step(args, platform, timer, section, progress) -> None:
     shape = QUICK_STEP_SHAPE if args.quick else STEP_SHAPE
     section["shape"] = shape
     for mlp, dtype in QUICK_STEP_CONFIGS if args.quick else STEP_CONFIGS:
         if dtype not in args.dtypes:
             continue
-        programs, params, h = {}, None, None
-        for label, kw in peers.step_norms(platform).items():
-            step, params_shapes = models.prenorm_stack_train_step(
-                layers=shape["layers"], mlp=mlp, **kw
-            )
-            if params is None:
-                params, h = models.step_inputs(
-                    params_shapes, shape["d"], shape["tokens"], jnp.dtype(dtype)
-                )
-            programs[label] = (step, (params, h))
+        programs = step_programs(mlp, dtype, args.quick, platform)
+        own = ["step", "--mlp", mlp, "--dtype", dtype] + (["--quick"] if args.quick else [])
         rows = timing.measure_steps(
-            programs, platform, timer, args.rounds, args.compile_workers, "flax RMSNorm"
+            programs,
+            platform,
+            timer,
+            args.rounds,
+            args.compile_workers,
+            "flax RMSNorm",
+            peak_command=lambda name, own=own: peak_command([*own, "--norm", name]),
         )
         for norm, row in rows.items():
             section["results"].append(
@@ -402,11 +416,16 @@ def run_step(args, platform, timer, section, progress) -> None:
                 | shape
                 | row
             )
-        del programs, params, h
+        del programs
         progress(
             f"step {mlp} {dtype}: "
             + ", ".join(f"{n} {report._ms(r.get('median_s'))} ms" for n, r in rows.items())
         )
+
+
+def peak_command(argv: list[str]) -> list[str]:
+    """The command that measures one train step's peak in a process of its own."""
+    return [sys.executable, "-m", "benchmarks.peak", *argv]
 
 
 def _gemma_norms(args, platform: str | None) -> dict:
@@ -429,6 +448,16 @@ def _gemma_modes(args) -> list[str]:
     return modes
 
 
+def gemma_programs(mode: str, norms: dict, smoke: bool, batch: int, seq: int) -> dict:
+    """``{norm: (step, inputs)}``: the Gemma-3-style train step with each norm."""
+    cfg = models.SMALL if smoke else models.GEMMA3_270M
+    scan = mode == "scan"
+    inputs = models.gemma_inputs(cfg, scan, batch, seq)
+    return {
+        name: (models.gemma_train_step(cfg, norm, scan), inputs) for name, norm in norms.items()
+    }
+
+
 def run_gemma(args, platform, timer, section, earlier, progress) -> None:
     """The Gemma-3-style step on the device jax sees; a CPU runs the 2-block config."""
     smoke = args.quick or platform == "cpu"
@@ -446,19 +475,23 @@ def run_gemma(args, platform, timer, section, earlier, progress) -> None:
         section["results"] = [r for r in earlier["results"] if r["mode"] not in modes]
     norms = _gemma_norms(args, platform)
     for mode in modes:
-        scan = mode == "scan"
-        inputs = models.gemma_inputs(cfg, scan, batch, seq)
-        programs = {
-            name: (models.gemma_train_step(cfg, norm, scan), inputs) for name, norm in norms.items()
-        }
+        programs = gemma_programs(mode, norms, smoke, batch, seq)
+        own = ["gemma", "--mode", mode, "--batch", str(batch), "--seq", str(seq)]
+        own += ["--quick"] if smoke else []
         rows = timing.measure_steps(
-            programs, platform, timer, args.rounds, args.compile_workers, peers.GEMMA_REFERENCE
+            programs,
+            platform,
+            timer,
+            args.rounds,
+            args.compile_workers,
+            peers.GEMMA_REFERENCE,
+            peak_command=lambda name, own=own: peak_command([*own, "--norm", name]),
         )
         section["results"] = [r for r in section["results"] if r["mode"] != mode]
         for norm, row in rows.items():
             section["results"].append(dict(section="gemma", mode=mode, norm=norm) | row)
         section["results"].sort(key=lambda r: ("unrolled", "scan").index(r["mode"]))
-        del programs, inputs
+        del programs
         progress(
             f"gemma {mode}: "
             + ", ".join(f"{n} {report._ms(r.get('median_s'))} ms" for n, r in rows.items())

@@ -256,6 +256,14 @@ def ops_markdown(rows: list[dict], quick: bool = False) -> str:
     return "\n".join(out + (["", note] if note else []))
 
 
+def round_spread(row: dict) -> str:
+    """(largest - smallest round median) / median, as a percentage; "" without rounds."""
+    medians, median = row.get("round_medians_s"), row.get("median_s")
+    if not medians or not median or len(medians) < 2:
+        return ""
+    return f"{(max(medians) - min(medians)) / median:.1%}"
+
+
 def step_markdown(rows: list[dict], quick: bool = False, reference: str = "flax RMSNorm") -> str:
     """One row per train step: time, wall time, the ratio to ``reference``, memory."""
     first = ("mode",) if any("mode" in r for r in rows) else ("model", "mlp", "dtype")
@@ -264,9 +272,9 @@ def step_markdown(rows: list[dict], quick: bool = False, reference: str = "flax 
         "",
         "| "
         + " | ".join(first)
-        + f" | norm | step ms (median) | min-max ms | wall ms | vs {reference} "
+        + f" | norm | step ms (median) | min-max ms | round spread | wall ms | vs {reference} "
         "| compiled temp MiB | device peak MiB | note |",
-        "|" + "---|" * len(first) + "---|---:|---|---:|---:|---:|---:|---|",
+        "|" + "---|" * len(first) + "---|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ok = r.get("status") == "ok" and "median_s" in r
@@ -278,6 +286,7 @@ def step_markdown(rows: list[dict], quick: bool = False, reference: str = "flax 
             r["norm"],
             _ms(r.get("median_s")),
             spread,
+            round_spread(r),
             _ms(r.get("wall_median_s")),
             _x(r.get("vs_reference")),
             _mib(r.get("temp_bytes")),
@@ -289,10 +298,12 @@ def step_markdown(rows: list[dict], quick: bool = False, reference: str = "flax 
 
 
 _PEAK = (
-    "Device peak: `peak_bytes_in_use` after the program's first run, each program on its own "
-    "in order of increasing compiled size (the peak cannot be reset: `<=` where it did not "
-    "rise, so the program's own peak is at most that). Wall ms: wall-clock per step in "
-    "separate interleaved rounds (accelerators only)."
+    "Device peak: `peak_bytes_in_use` after the program's run in a process of its own "
+    "(`python -m benchmarks.peak`; `<=` where that failed and the peak is this process's "
+    "after the program's first run, in order of increasing compiled size: the program's "
+    "own peak is at most that). Round spread: the largest minus the smallest round median, "
+    "over the median. Wall ms: wall-clock per step in separate interleaved rounds "
+    "(accelerators only)."
 )
 
 

@@ -13,9 +13,11 @@ memory, then time in interleaved rounds.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -333,6 +335,27 @@ def uses_custom_kernel(compiled) -> bool:
 # ---------------------------------------------------------------- train steps
 
 
+def own_peaks(commands: dict[str, list[str]], workers: int) -> dict[str, dict | str]:
+    """``{name: the JSON line its command printed, or why it failed}``: each command in a
+    process of its own (``python -m benchmarks.peak``), ``workers`` at a time."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+
+    def run(item):
+        name, argv = item
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return name, f"{type(err).__name__}: {err}"
+        lines = done.stdout.strip().splitlines()
+        if done.returncode or not lines:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            return name, f"exit {done.returncode}: {tail[0][:200]}"
+        return name, json.loads(lines[-1])
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return dict(pool.map(run, commands.items()))
+
+
 def memory_stats() -> dict | None:
     """The default device's ``memory_stats()`` (None on XLA:CPU, which reports none)."""
     try:
@@ -349,16 +372,19 @@ def measure_steps(
     rounds: int,
     workers: int,
     reference: str | None = None,
+    peak_command: Callable[[str], list[str]] | None = None,
 ) -> dict[str, dict]:
-    """A group of train steps: compile, run each once for its memory, time interleaved.
+    """A group of train steps: compile, measure each one's peak memory, time interleaved.
 
     ``programs``: ``{label: (step, args)}``; a step must not donate its arguments (each is
     called many times with the same ones). Returns ``{label: row}``: ``status``, the
     compiled ``temp_bytes``, ``argument_bytes`` and ``output_bytes``; where the device
-    reports ``memory_stats()``, ``peak_bytes`` (``peak_bytes_in_use`` after the program's
-    first run: the peak cannot be reset, so each program runs once on its own in order of
-    increasing compiled size, and ``peak_is_own`` says whether the peak rose with it; where
-    it did not, the program's own peak is at most that); the timing of
+    reports ``memory_stats()``, ``peak_bytes``: with ``peak_command`` (``label -> argv``
+    of ``python -m benchmarks.peak ...``), the program's own ``peak_bytes_in_use`` from a
+    process of its own (a process's peak cannot be reset), ``peak_is_own`` True;
+    without it, or where that process fails, the peak after the program's first run in
+    this process, in order of increasing compiled size, ``peak_is_own`` saying whether it
+    rose (where not, the program's own peak is at most that); the timing of
     :func:`interleaved`; on an accelerator ``wall_median_s``, wall-clock per step in
     separate interleaved rounds (with the launch gaps that the kernels' sum leaves out);
     and ``vs_reference``, the ratio of the median to ``reference``'s.
@@ -381,6 +407,18 @@ def measure_steps(
                 row[f"{field}_bytes"] = value
         rows[name] = row
     runnable = {n: v for n, v in compiled.items() if not isinstance(v, str)}
+    own = {}
+    if peak_command is not None and platform != "cpu" and memory_stats() is not None:
+        own = own_peaks({n: peak_command(n) for n in runnable}, workers)
+    for name, peak in own.items():
+        if isinstance(peak, dict) and peak.get("peak_bytes"):
+            rows[name].update(
+                peak_bytes=peak["peak_bytes"],
+                peak_is_own=True,
+                in_use_before_bytes=peak.get("before_bytes"),
+            )
+        else:
+            rows[name]["peak_note"] = f"own process: {peak}"
 
     def footprint(name):
         r = rows[name]
@@ -397,7 +435,7 @@ def measure_steps(
             rows[name].update(status="failed", note=f"run: {_error(err)}")
             continue
         after = memory_stats()
-        if after and "peak_bytes_in_use" in after:
+        if after and "peak_bytes_in_use" in after and not rows[name].get("peak_is_own"):
             peak_before = (before or {}).get("peak_bytes_in_use", 0)
             rows[name].update(
                 peak_bytes=after["peak_bytes_in_use"],

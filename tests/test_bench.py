@@ -24,6 +24,7 @@ cli = importlib.import_module("benchmarks.__main__")
 estimates = importlib.import_module("benchmarks.estimates")
 peers = importlib.import_module("benchmarks.peers")
 report = importlib.import_module("benchmarks.report")
+timing = importlib.import_module("benchmarks.timing")
 
 SMOKE = "smoke run: not a measurement"
 
@@ -176,3 +177,28 @@ def test_quick_estimates_of_the_train_step(h100_estimates):
 def test_a_target_without_a_cost_model_is_refused():
     with pytest.raises(SystemExit, match="no cost model for a100"):
         cli.main(["estimates", "--quick", "--target", "a100"])
+
+
+def test_a_train_steps_own_peak_is_measured_in_a_process_of_its_own(capsys):
+    """``benchmarks.peak`` builds the one program that ``step`` times and prints its peak
+    as JSON (None on a CPU, which reports no memory stats); ``own_peaks`` runs such
+    commands in processes of their own and says why one failed."""
+    peak = importlib.import_module("benchmarks.peak")
+
+    assert (
+        peak.main(
+            ["step", "--mlp", "swiglu", "--dtype", "bfloat16", "--quick", "--norm", "rms_norm"]
+        )
+        == 0
+    )
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(line) == {"peak_bytes", "before_bytes"}
+    got = timing.own_peaks(
+        {
+            "ok": [sys.executable, "-c", "print('{\"peak_bytes\": 7}')"],
+            "fails": [sys.executable, "-c", "raise SystemExit('no device')"],
+        },
+        workers=2,
+    )
+    assert got["ok"] == {"peak_bytes": 7}
+    assert got["fails"].startswith("exit 1: no device")
