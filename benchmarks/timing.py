@@ -348,8 +348,9 @@ def own_peaks(commands: dict[str, list[str]], workers: int) -> dict[str, dict | 
             return name, f"{type(err).__name__}: {err}"
         lines = done.stdout.strip().splitlines()
         if done.returncode or not lines:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            return name, f"exit {done.returncode}: {tail[0][:200]}"
+            err = (done.stderr or done.stdout).strip().splitlines() or [""]
+            why = next((e for e in reversed(err) if "Error" in e or "error" in e), err[-1])
+            return name, f"exit {done.returncode}: {why[:300]}"
         return name, json.loads(lines[-1])
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
@@ -408,8 +409,18 @@ def measure_steps(
         rows[name] = row
     runnable = {n: v for n, v in compiled.items() if not isinstance(v, str)}
     own = {}
-    if peak_command is not None and platform != "cpu" and memory_stats() is not None:
-        own = own_peaks({n: peak_command(n) for n in runnable}, workers)
+    stats = memory_stats() if platform != "cpu" else None
+    if peak_command is not None and stats is not None and runnable:
+        # As many processes at once as the device's memory holds (each its program's
+        # compiled footprint, with room to spare): 8 Gemma steps of 20 GiB each ran an
+        # H200 out of memory.
+        largest = max(
+            sum(rows[n].get(f"{f}_bytes") or 0 for f in ("temp", "argument", "output"))
+            for n in runnable
+        )
+        room = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        at_once = max(1, min(workers, int(0.7 * room) // max(largest, 1)))
+        own = own_peaks({n: peak_command(n) for n in runnable}, at_once)
     for name, peak in own.items():
         if isinstance(peak, dict) and peak.get("peak_bytes"):
             rows[name].update(

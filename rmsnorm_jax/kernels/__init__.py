@@ -40,6 +40,7 @@ from .._vjp import (
     OUT_NAME,
     STAT_NAME,
     NormConfig,
+    _explicit_spec,
     backward_parts,
     match_vma,
     normalized,
@@ -329,10 +330,17 @@ def _with_xla_derivative(kernel_fn, xla_fn):
 
 
 def _cotangent(ct, primal_type):
+    """``ct`` in its primal's type: shape, dtype, varying axes and explicit sharding (a
+    parameter split over an explicit mesh axis gets its gradient split alike; the
+    kernels' sums come back replicated)."""
     if ct is None:
         return None
     ct = ct.reshape(primal_type.shape).astype(primal_type.dtype)
-    return match_vma(ct, vma(primal_type))
+    ct = match_vma(ct, vma(primal_type))
+    spec = _explicit_spec(primal_type)
+    if spec is not None and _explicit_spec(jax.typeof(ct)) != spec:
+        ct = jax.sharding.reshard(ct, jax.sharding.PartitionSpec(*spec))
+    return ct
 
 
 def _parameter_cotangents(spec, sums, scale_type, bias_type):
