@@ -312,7 +312,7 @@ def add_rms_norm(
         mask=mask,
     )
     acfg = AddConfig(np.dtype(residual_dtype), jax.typeof(x), jax.typeof(residual))
-    spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask)
+    spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask, op="add_rms_norm")
     if spec is not None:
         return kernels.add_rms_norm_kernel(cfg, spec, acfg, x, residual, scale, bias)
     return add_rms_norm_core(cfg, acfg, x, residual, scale, bias, mask)

@@ -8,7 +8,10 @@ the kernels' own numerics in ``test_kernels_gpu.py`` and ``test_kernels_tpu.py``
 """
 
 import contextlib
+import dataclasses
+import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from rmsnorm_jax import add_rms_norm, aot, gated_rms_norm, kernels, rms_norm
 from rmsnorm_jax._functional import _norm_config
 from rmsnorm_jax.reference import rms_norm_reference
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
@@ -67,20 +71,103 @@ def test_unknown_implementation_names_the_choices():
             fn()
 
 
-def test_auto_is_the_xla_path_until_a_measurement_says_otherwise():
-    assert kernels.MEASURED == ()  # nothing measured on hardware yet
+def _jaxpr(impl, x, scale):
+    text = str(jax.make_jaxpr(jax.grad(lambda x: rms_norm(x, scale, implementation=impl).sum()))(x))
+    # Some jax versions (0.10.0) print the rule functions with their addresses; two
+    # traces make fresh closures, so compare the programs without them.
+    return re.sub(r" at 0x[0-9a-f]+>", ">", text)
+
+
+def test_auto_is_the_xla_path_where_nothing_was_measured():
+    """No measured win on a CPU (nor on an H100, a TPU, ...): "auto" is the XLA path."""
+    assert all(m.platform != "cpu" for m in kernels.MEASURED)
     x, scale, *_ = _inputs((4, 128), jnp.bfloat16)
+    assert _jaxpr("auto", x, scale) == _jaxpr("xla", x, scale)
+    assert "pallas_call" not in _jaxpr("auto", x, scale)
 
-    def jaxpr(impl):
-        text = str(
-            jax.make_jaxpr(jax.grad(lambda x: rms_norm(x, scale, implementation=impl).sum()))(x)
-        )
-        # Some jax versions (0.10.0) print the rule functions with their addresses; two
-        # traces make fresh closures, so compare the programs without them.
-        return re.sub(r" at 0x[0-9a-f]+>", ">", text)
 
-    assert jaxpr("auto") == jaxpr("xla")
-    assert "pallas_call" not in jaxpr("auto")
+def _win(**kw):
+    fields = dict(op="rms_norm", platform="cpu", device_kind="", dtypes=("float32",))
+    fields.update(features=(64, 256), min_bytes=0, source="a test")
+    fields.update(kw)
+    return kernels.Measurement(**fields)
+
+
+def test_auto_takes_the_kernels_exactly_where_a_measurement_says(monkeypatch):
+    """A win recorded for this platform, dtype, width and size puts "auto" on the kernels
+    (on that platform only); any other call stays on XLA."""
+    from rmsnorm_jax.kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "MEASURED", (_win(),))
+    x, scale, *_ = _inputs((4, 128), jnp.float32)
+    assert "pallas_call" in _jaxpr("auto", x, scale)
+    got = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, implementation="auto") ** 2), (0, 1))
+    want = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, implementation="xla") ** 2), (0, 1))
+    _close(got(x, scale), want(x, scale), 2e-5)
+    for other in [
+        _inputs((4, 128), jnp.bfloat16)[:2],  # a dtype not measured
+        _inputs((4, 512), jnp.float32)[:2],  # a width outside the range
+    ]:
+        assert "pallas_call" not in _jaxpr("auto", *other)
+    monkeypatch.setattr(_dispatch, "MEASURED", (_win(min_bytes=1 << 20),))
+    assert "pallas_call" not in _jaxpr("auto", x, scale)  # smaller than measured
+    monkeypatch.setattr(_dispatch, "MEASURED", (_win(op="add_rms_norm"),))
+    assert "pallas_call" not in _jaxpr("auto", x, scale)  # another function's win
+    y = add_rms_norm(x, x, scale, implementation="auto")
+    assert "pallas_call" in str(jax.make_jaxpr(lambda x: add_rms_norm(x, x, scale))(x))
+    _close(y, add_rms_norm(x, x, scale, implementation="xla"), 2e-5)
+    monkeypatch.setattr(_dispatch, "MEASURED", (_win(platform="cuda"),))
+    assert "pallas_call" not in _jaxpr("auto", x, scale)  # measured on another platform
+
+
+def test_auto_on_an_h200_and_where_pallas_triton_is_gone(monkeypatch):
+    """The committed H200 wins: taken on an H200, on no other GPU, and not at all where
+    this jax no longer ships Pallas-Triton (no warning: "auto" is XLA there)."""
+    from rmsnorm_jax.kernels import _dispatch
+
+    spec = kernels.KernelSpec(4096, 4096, 1e-6, True, 0.0, True, False, np.dtype("float32"))
+    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
+    h200, h100 = ("cuda", "NVIDIA H200"), ("cuda", "NVIDIA H100 80GB HBM3")
+    assert _dispatch.measured_win("rms_norm", spec, x, h200).device_kind == "H200"
+    assert _dispatch.measured_win("add_rms_norm", spec, x, h200) is not None
+    wide = dataclasses.replace(spec, n=8192, k=8192)
+    assert _dispatch.measured_win("rms_norm", wide, x, h200) is None  # 1.03-1.18x: XLA
+    assert _dispatch.measured_win("add_rms_norm", wide, x, h200) is not None
+    small = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
+    assert _dispatch.measured_win("rms_norm", spec, small, h200) is None  # not measured
+    assert _dispatch.measured_win("rms_norm", spec, x, h100) is None
+    assert _dispatch.measured_win("rms_norm", spec, x, ("tpu", "TPU v5 lite")) is None
+    monkeypatch.setattr(_dispatch, "triton_available", lambda: False)
+    assert _dispatch.measured_win("rms_norm", spec, x, h200) is None
+
+
+def _h200_medians(op: str) -> dict:
+    """``{(MiB, features, dtype): (XLA's, the kernels') forward+backward median}``."""
+    path = ROOT / "benchmarks" / "results" / "h200-4ce9679" / "h200-measured.json"
+    rows = json.loads(path.read_text())["sections"]["ops"]["results"]
+    med = {
+        (r["size_mib"], r["features"], r["dtype"], r["impl"]): r["median_s"]
+        for r in rows
+        if r["kind"] == "fwd+bwd" and r.get("status") == "ok"
+    }
+    return {
+        k[:3]: (v, med[(*k[:3], f"{op} [pallas]")])
+        for k, v in med.items()
+        if k[3] == op and (*k[:3], f"{op} [pallas]") in med
+    }
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_the_measured_wins_are_the_committed_measurement(op):
+    """MEASURED says what the committed H200 run shows: the kernels faster at every
+    measured shape inside each win's widths, and not faster at those left out."""
+    (win,) = [m for m in kernels.MEASURED if m.op == op and m.device_kind == "H200"]
+    medians = _h200_medians(op)
+    assert len(medians) == 16  # 32 and 256 MiB, 4 widths, 2 dtypes
+    for (mib, n, dtype), (xla, kernel) in medians.items():
+        inside = win.features[0] <= n <= win.features[1] and dtype in win.dtypes
+        assert (kernel < xla) == inside, (op, mib, n, dtype, kernel / xla)
+    assert "benchmarks/results/h200-4ce9679/h200-measured.json" in win.source
 
 
 def _spec(shape=(4, 64), dtype=jnp.float32, **kw):
@@ -399,7 +486,7 @@ def test_h100_kernels_inside_a_checked_shard_map():
     "kwargs, expected",
     [
         (dict(implementation="xla"), r"^xla: implementation='xla'"),
-        (dict(implementation="auto"), r"^xla: 'auto' takes the kernels only where"),
+        (dict(implementation="auto"), r"^xla: 'auto' takes the kernels only where.*none is for"),
         (dict(mask=jnp.ones((4, 1000), bool)), r"^xla: the kernels do not take a mask"),
         (dict(axis=0), r"^xla: .*normalized axes \(0,\)"),
         (dict(x=jax.ShapeDtypeStruct((4, 1000), np.float64)), r"^xla: .*float64"),

@@ -53,8 +53,10 @@ from ._dispatch import (
     IMPLEMENTATIONS,
     MEASURED,
     Measurement,
+    _target_device,
     check_implementation,
     kernel_spec,
+    measured_win,
     use_kernels,
     why_not_kernels,
 )
@@ -110,11 +112,17 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
     if reason is not None:
         return f"xla: the kernels do not take {reason}"
     spec = kernel_spec(cfg, x, scale, bias, mask)
-    if use_kernels(implementation, cfg, x, scale, bias, mask) is None:
-        return (
-            "xla: 'auto' takes the kernels only where rmsnorm_jax.kernels.MEASURED holds a "
-            f"measured win for {jax.devices()[0].device_kind}; use implementation='pallas'"
-        )
+    if implementation == "auto":
+        win = measured_win("rms_norm", spec, x)
+        if win is None:
+            platform, kind = _target_device()
+            return (
+                f"xla: 'auto' takes the kernels only where rmsnorm_jax.kernels.MEASURED "
+                f"holds a measured win, and none is for {kind} ({platform}), "
+                f"{dtype.name}, {cfg.n} features, {math.prod(x.shape) * dtype.itemsize:,} "
+                f"bytes of x; implementation='pallas' takes them anyway"
+            )
+        return f"auto: the kernels on {win.platform} (measured: {win.source}), XLA elsewhere"
     rows = math.prod(x.shape[:-1])
     fits = gpu.fits(spec, rows, dtype)  # the CPU's interpret mode runs the Triton kernels
     triton = "Triton" if fits else "XLA (the row does not fit the Triton kernels)"
@@ -244,12 +252,13 @@ def _per_platform(spec, x, kernel, xla, operands, xla_only=False, call=None):
     # Pallas' interpreter cannot run inside a shard_map that checks varying axes (its
     # padding breaks the check, jax 0.10): there the CPU computes the call with XLA.
     interpretable = not vma(jax.typeof(x))
+    on = spec.platforms
     return lax.platform_dependent(
         *operands,
-        cuda=choose(gpu),
-        tpu=choose(tpu),
+        cuda=choose(gpu) if "cuda" in on else xla,
+        tpu=choose(tpu) if "tpu" in on else xla,
         rocm=xla,
-        default=choose(gpu, interpret=True) if interpretable else xla,
+        default=choose(gpu, interpret=True) if interpretable and "cpu" in on else xla,
     )
 
 

@@ -2,7 +2,9 @@
 
 ``implementation="xla"`` is the XLA path; ``"pallas"`` the fused kernels wherever the call
 fits them (otherwise XLA, see :func:`kernel_spec`); ``"auto"`` the kernels only where a
-measurement on hardware, recorded in :data:`MEASURED`, found them faster than XLA.
+measurement on hardware, recorded in :data:`MEASURED`, found them faster than XLA: on an
+NVIDIA H200, ``rms_norm`` at 1024-5120 features and ``add_rms_norm`` at 1024-8192, float32
+and bfloat16 (where this jax still ships Pallas-Triton); XLA everywhere else.
 """
 
 from __future__ import annotations
@@ -27,25 +29,61 @@ class Measurement:
     """A measured win of the kernels over XLA that ``"auto"`` acts on.
 
     Attributes:
-      platform: ``"cuda"`` or ``"tpu"``.
-      device_kind: a substring of ``jax.Device.device_kind`` (e.g. ``"H100"``).
+      op: ``"rms_norm"`` or ``"add_rms_norm"``: the function whose kernels won.
+      platform: ``"cuda"`` or ``"tpu"`` (``lax.platform_dependent``'s names).
+      device_kind: a substring of ``jax.Device.device_kind`` (e.g. ``"H200"``).
       dtypes: the input dtype names it holds for.
       features: the inclusive range of features per row it holds for.
-      source: where and when it was measured (device, date, command, result file).
+      min_bytes: the smallest ``x`` (bytes) measured; smaller calls stay on XLA.
+      source: where and when it was measured (device, jax, head, command, result file),
+        and the ratios.
     """
 
+    op: str
     platform: str
     device_kind: str
     dtypes: tuple[str, ...]
     features: tuple[int, int]
+    min_bytes: int
     source: str
 
 
-# Empty: the kernels' speed has not been measured on a GPU or TPU yet (no device in the
-# sessions that wrote them; XLA's cost models give no estimate for a custom call). So
-# "auto" stays on XLA everywhere until `python -m benchmarks ops` on a device shows a
-# win; then add the measurement here, with its device, date and result file.
-MEASURED: tuple[Measurement, ...] = ()
+# The measured x of "32 MiB" is whole rows: 31.99 MiB at 5120 features.
+_SMALLEST = 31 * 2**20
+_H200 = (
+    "NVIDIA H200, jax 0.11.2, 2026-11-26, head 4ce9679: `python -m benchmarks ops --rounds 3` "
+    "(benchmarks/results/h200-4ce9679/h200-measured.json, CUPTI device time, x of 32 and "
+    "256 MiB at 1024, 4096, 5120 and 8192 features)"
+)
+
+# The kernels' measured wins: "auto" takes them on these device kinds, dtypes and widths
+# only, and XLA everywhere else (other GPUs, TPUs, CPUs, float16, other widths; an H100
+# until a run there confirms it). See docs/kernels.md for the tables.
+MEASURED: tuple[Measurement, ...] = (
+    Measurement(
+        op="rms_norm",
+        platform="cuda",
+        device_kind="H200",
+        dtypes=("float32", "bfloat16"),
+        features=(1024, 5120),
+        min_bytes=_SMALLEST,
+        source=_H200 + ": forward+backward 0.85-0.95x the XLA path at 1024-5120 features "
+        "(forward alone 0.91-1.01x); 1.03-1.18x at 8192, which stays on XLA. The kernels "
+        "alone at 2048 and 3072 (`python -m benchmarks.kernel_sizes`, "
+        "benchmarks/results/h200-4ce9679/kernel-sizes-NVIDIA-H200-2048-3072-6144-7168.json) "
+        "0.82-0.94x XLA's forward+backward; at 6144 about even: XLA.",
+    ),
+    Measurement(
+        op="add_rms_norm",
+        platform="cuda",
+        device_kind="H200",
+        dtypes=("float32", "bfloat16"),
+        features=(1024, 8192),
+        min_bytes=_SMALLEST,
+        source=_H200 + ": forward+backward 0.73-0.96x the XLA path, forward alone 0.76-0.85x, "
+        "at every shape measured.",
+    ),
+)
 
 
 def check_implementation(implementation: Any) -> str:
@@ -104,28 +142,65 @@ def kernel_spec(cfg, x, scale, bias, mask) -> KernelSpec | None:
     )
 
 
-def _measured_faster(spec: KernelSpec, x_dtype) -> bool:
-    """Whether :data:`MEASURED` holds a win for this call on the default device."""
-    if not MEASURED:
+def _target_device() -> tuple[str, str]:
+    """(platform, device kind) of the device being compiled for: the abstract mesh's
+    (``rmsnorm_jax.aot`` targets, ``jax.set_mesh``), else the default device's.
+    A CUDA device's platform reads ``"gpu"``; it is named ``"cuda"`` here."""
+    device = None
+    try:
+        device = jax.sharding.get_abstract_mesh().abstract_device
+    except (AttributeError, ValueError):  # no mesh, or one without a device kind
+        device = None
+    if device is None or not getattr(device, "device_kind", None):
+        device = jax.devices()[0]
+    platform = getattr(device, "platform", "")
+    return ("cuda" if platform == "gpu" else platform), device.device_kind
+
+
+def triton_available() -> bool:
+    """Whether this jax ships the Pallas-Triton backend (deprecated since jax 0.11)."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
         return False
-    device = jax.devices()[0]
-    return any(
-        m.platform == device.platform
-        and m.device_kind in device.device_kind
-        and np.dtype(x_dtype).name in m.dtypes
-        and m.features[0] <= spec.n <= m.features[1]
-        for m in MEASURED
-    )
+    return True
 
 
-def use_kernels(implementation: str, cfg, x, scale, bias, mask) -> KernelSpec | None:
-    """The :class:`KernelSpec` when the kernels compute this call, else None (XLA)."""
+def measured_win(op: str, spec: KernelSpec, x, device=None) -> Measurement | None:
+    """The :data:`MEASURED` win for this call, or None. ``x``: the input (an array or
+    ``jax.ShapeDtypeStruct``); ``device``: ``(platform, device kind)``, by default the
+    device being compiled for."""
+    platform, kind = _target_device() if device is None else device
+    x_dtype = np.dtype(x.dtype)
+    x_bytes = math.prod(x.shape) * x_dtype.itemsize
+    for m in MEASURED:
+        if (
+            m.op == op
+            and m.platform == platform
+            and m.device_kind in kind
+            and np.dtype(x_dtype).name in m.dtypes
+            and m.features[0] <= spec.n <= m.features[1]
+            and x_bytes >= m.min_bytes
+            and (m.platform != "cuda" or triton_available())
+        ):
+            return m
+    return None
+
+
+def use_kernels(
+    implementation: str, cfg, x, scale, bias, mask, op: str = "rms_norm"
+) -> KernelSpec | None:
+    """The :class:`KernelSpec` when the kernels compute this call, else None (XLA).
+
+    ``"pallas"``: wherever the call fits them, on every platform. ``"auto"``: only
+    where :data:`MEASURED` holds a win for ``op`` on the device being compiled for, and
+    there on that platform alone (XLA on the others).
+    """
     implementation = check_implementation(implementation)
     if implementation == "xla":
         return None
     spec = kernel_spec(cfg, x, scale, bias, mask)
-    if spec is None:
-        return None
-    if implementation == "auto" and not _measured_faster(spec, x.dtype):
-        return None
-    return spec
+    if spec is None or implementation == "pallas":
+        return spec
+    win = measured_win(op, spec, x)
+    return None if win is None else dataclasses.replace(spec, platforms=(win.platform,))

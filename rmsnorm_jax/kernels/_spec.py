@@ -52,6 +52,10 @@ class KernelSpec:
       scale_offset: added to scale before it multiplies (1.0: Gemma's 1 + scale).
       has_scale, has_bias: whether scale / bias are given.
       out_dtype: dtype of y.
+      platforms: the platforms (``lax.platform_dependent`` names: ``"cuda"``,
+        ``"tpu"``, ``"cpu"``) whose kernels compute the call; on the others it is XLA's.
+        Every platform for ``implementation="pallas"``; for ``"auto"`` the platforms of
+        the measured win (``_dispatch.MEASURED``).
     """
 
     n: int
@@ -62,6 +66,7 @@ class KernelSpec:
     has_scale: bool
     has_bias: bool
     out_dtype: np.dtype
+    platforms: tuple[str, ...] = ("cuda", "tpu", "cpu")
 
 
 # Per-row maths on float32 blocks of shape (rows, n); ``col`` is the feature index of
