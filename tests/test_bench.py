@@ -202,3 +202,19 @@ def test_a_train_steps_own_peak_is_measured_in_a_process_of_its_own(capsys):
     )
     assert got["ok"] == {"peak_bytes": 7}
     assert got["fails"].startswith("exit 1: no device")
+
+
+def test_the_kernel_table_in_the_docs_is_the_committed_run():
+    """docs/kernels.md's kernels-against-XLA table is what ``benchmarks.kernel_table``
+    prints from the committed results file it names (and "auto"'s column what
+    ``kernels.MEASURED`` decides today)."""
+    kernel_table = importlib.import_module("benchmarks.kernel_table")
+    text = (ROOT / "docs" / "kernels.md").read_text()
+    match = re.search(
+        r"<!-- kernel-table: python -m benchmarks\.kernel_table (\S+) -->\n(.*?)\n"
+        r"<!-- /kernel-table -->",
+        text,
+        flags=re.S,
+    )
+    assert match, "docs/kernels.md lost its kernel-table markers"
+    assert match.group(2) == kernel_table.table(ROOT / match.group(1))
