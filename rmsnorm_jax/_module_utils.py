@@ -8,7 +8,8 @@ from typing import Any
 import jax
 from flax.typing import Axes
 
-from ._functional import normalize_axes, rms_norm
+from ._config import normalize_axes
+from ._functional import rms_norm
 from ._fused import add_rms_norm, gated_rms_norm
 
 

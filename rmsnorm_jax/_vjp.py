@@ -1,6 +1,6 @@
 """The differentiable core of RMSNorm: one forward rule and one analytic backward rule.
 
-Everything here assumes validated arguments (see ``_functional.py``). The static part
+Everything here assumes validated arguments (see ``_config.py``). The static part
 of a call lives in a hashable :class:`NormConfig`; the arrays are ``x``, ``scale``,
 ``bias`` and ``mask`` (all but ``x`` may be ``None``). A boolean ``mask`` (broadcastable
 to ``x``) restricts the mean square to the positions where it is True (flax's masked

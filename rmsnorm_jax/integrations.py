@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._functional import normalize_axes, rms_norm
+from ._config import normalize_axes
+from ._functional import rms_norm
 from ._module_utils import feature_param_shapes
 from .nnx import IMPLEMENTATIONS
 

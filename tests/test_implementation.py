@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import rmsnorm_jax
 from rmsnorm_jax import add_rms_norm, aot, gated_rms_norm, kernels, rms_norm
-from rmsnorm_jax._functional import _norm_config
+from rmsnorm_jax._config import norm_config
 from rmsnorm_jax.reference import rms_norm_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +174,7 @@ def _spec(shape=(4, 64), dtype=jnp.float32, **kw):
     args = dict(scale=None, eps=1e-6, bias=None, axis=-1, p=1.0, scale_offset=0.0)
     args.update(eps_placement="inside", dtype=None, axis_name=None, mask=None)
     args.update(kw)
-    cfg, scale, bias, mask = _norm_config(shape, dtype, **args)
+    cfg, scale, bias, mask = norm_config(shape, dtype, **args)
     return kernels.use_kernels("pallas", cfg, jnp.zeros(shape, dtype), scale, bias, mask)
 
 
@@ -503,3 +503,45 @@ def test_explain_names_the_path_and_why(kwargs, expected):
     args.update(kwargs)
     with jax.enable_x64(args["x"].dtype == jnp.float64):
         assert re.search(expected, kernels.explain(**args)), kernels.explain(**args)
+
+
+def test_explain_describes_a_call_with_rms_norms_own_defaults():
+    """``explain`` fills what the caller leaves out with ``rms_norm``'s defaults (held in
+    ``_config.norm_config``, which describes a call without making it), refuses what
+    rms_norm refuses, and names an unknown keyword."""
+    import inspect
+
+    from rmsnorm_jax import _config
+
+    ours = inspect.signature(rms_norm).parameters
+    theirs = inspect.signature(_config.norm_config).parameters
+    for name, param in ours.items():
+        if name in ("x", "implementation"):
+            continue
+        assert theirs[name].default == param.default, name
+    assert set(ours) - {"x", "implementation"} == set(theirs) - {
+        "shape",
+        "x_dtype",
+        "promote_with",
+    }
+    x = jax.ShapeDtypeStruct((4, 1000), jnp.float32)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]"):
+        kernels.explain(x, bogus=1)
+    with pytest.raises(TypeError, match="x must be a real floating-point array"):
+        kernels.explain(jax.ShapeDtypeStruct((4, 1000), jnp.int32))
+    with pytest.raises(ValueError, match="p must be in"):
+        kernels.explain(x, p=2.0)
+
+
+def test_the_kernels_never_import_the_functions_above_them():
+    """The arrows point one way: ``kernels`` imports the norm config (``_config``), the
+    cores (``_vjp``, ``_fused_vjp``) and the helpers below it, never the public functions,
+    the Modules or the integrations that call it."""
+    import ast
+
+    above = {"_functional", "_fused", "linen", "nnx", "integrations", "_module_utils"}
+    for path in (ROOT / "rmsnorm_jax" / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                names = {node.module or ""} | {a.name for a in node.names}
+                assert not names & above, (path.name, ast.unparse(node))
