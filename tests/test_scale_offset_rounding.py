@@ -8,6 +8,8 @@ measured up to 49x this bound on an H200 (issue 34). On a CPU this guards the fo
 GPU (the device runbook runs this file) it checks what XLA:GPU and the kernels compile.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,3 +69,24 @@ def test_fused_add_one_plus_scale_near_zero(implementation):
     y64 = (scale.astype(np.float64) + 1.0) * h64 * r64
     err = np.abs(np.asarray(y, np.float64) - y64)
     assert float(np.max(err / _bound(y64, jnp.float32))) <= 1.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_h100_program_forms_scale_plus_one_before_the_product(dtype):
+    """The optimized program of a deviceless H100 compile adds 1 to the (n,) scale and
+    multiplies after; no full-size add remains (the distributed ``a * scale + a`` would
+    add two (rows, n) arrays)."""
+    from helpers import aot_target
+    from jax.sharding import PartitionSpec as P
+
+    from rmsnorm_jax import aot
+
+    target = aot_target("h100")
+    mesh = target.mesh((1,), ("d",))
+    x = aot.struct((64, 1024), dtype, mesh, P())
+    s = aot.struct((1024,), jnp.float32, mesh, P())
+    norm = jax.jit(lambda x, s: rms_norm(x, s, scale_offset=1.0, implementation="xla"))
+    text = target.compile(norm, x, s).as_text()
+    adds = re.findall(r"= (f32\[[\d,]*\])\{?[\d,]*\}? add\(", text)
+    assert "f32[1024]" in adds, adds  # scale + 1, once, on the (n,) vector
+    assert "f32[64,1024]" not in adds, adds
