@@ -253,8 +253,12 @@ def interleaved(programs: dict, timer, rounds: int, warmup_rounds: int = 1) -> d
     seconds: dict[str, list[float]] = {name: [] for name in programs}
     per_round: dict[str, list[float]] = {name: [] for name in programs}
     kernels: dict[str, list] = {name: [] for name in programs}
-    for _ in range(rounds):
-        for name, sample in timer.round(programs).items():
+    for r in range(rounds):
+        # Each round starts one program later: no program is always first after the
+        # pause between rounds (on the H200 the first program's round medians spread most).
+        names = list(programs)
+        order = names[r % len(names) :] + names[: r % len(names)] if names else names
+        for name, sample in timer.round({n: programs[n] for n in order}).items():
             if isinstance(sample, Exception):
                 failed[name] = _error(sample)
                 del programs[name]
