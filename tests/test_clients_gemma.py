@@ -9,6 +9,8 @@ interceptor), the parameter tree of ``init`` unchanged, ``undo()`` bit for bit, 
 gemma's ``nn.jit`` trace cache both ways; bfloat16 no farther from float32 than gemma's own.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,18 +19,22 @@ import pytest
 
 from rmsnorm_jax import integrations
 
-pytest.importorskip("gemma", reason="gemma is not installed (.ci/clients.sh: 4.0.1, Python 3.12)")
-
-from gemma import gm
-from gemma.gm.nn import _config as config3
-from gemma.gm.nn import _layers as layers3
-from gemma.gm.nn import _modules as modules3
-from gemma.gm.nn.gemma3n import _layers as layers3n
-from gemma.gm.nn.gemma4 import _config as config4
-from gemma.gm.nn.gemma4 import _layers as layers4
-from gemma.gm.nn.gemma4 import _modules as modules4
-from gemma.gm.nn.gemma4 import _transformer as transformer4
-from gemma.gm.nn.gemma4.vision import _norms as vision4
+with warnings.catch_warnings():
+    # gemma imports SWIG-built modules (sentencepiece), which Python 3.12 warns about.
+    warnings.filterwarnings("ignore", "builtin type .* has no __module__", DeprecationWarning)
+    pytest.importorskip(
+        "gemma", reason="gemma is not installed (.ci/clients.sh: 4.0.1, Python 3.12)"
+    )
+    from gemma import gm
+    from gemma.gm.nn import _config as config3
+    from gemma.gm.nn import _layers as layers3
+    from gemma.gm.nn import _modules as modules3
+    from gemma.gm.nn.gemma3n import _layers as layers3n
+    from gemma.gm.nn.gemma4 import _config as config4
+    from gemma.gm.nn.gemma4 import _layers as layers4
+    from gemma.gm.nn.gemma4 import _modules as modules4
+    from gemma.gm.nn.gemma4 import _transformer as transformer4
+    from gemma.gm.nn.gemma4.vision import _norms as vision4
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 VOCAB, DIM, HIDDEN = 128, 64, 128
@@ -117,6 +123,16 @@ def rel(ours, theirs):
     return float(np.max(np.abs(ours - theirs)) / scale) if scale else float(np.any(ours))
 
 
+def grad_rel(ours, theirs, largest):
+    """max |ours - theirs| over the leaf's own largest gradient, or over 1 % of the
+    model's largest where the leaf's is smaller: a gradient that is zero in exact
+    arithmetic (a scalar before a norm, which is scale-invariant) is rounding noise in
+    float32 in both models, and only its absolute size can be compared."""
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    scale = max(float(np.max(np.abs(theirs))), 0.01 * largest)
+    return float(np.max(np.abs(ours - theirs))) / scale
+
+
 def rel_l2(ours, reference):
     ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
     return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
@@ -143,9 +159,13 @@ def test_float32_logits_and_gradients_are_gemmas(family):
     assert rel(logits1, logits0) <= F32_RTOL
     assert rel(loss1, loss0) <= F32_RTOL
     flat0, flat1 = jax.tree.leaves_with_path(grads0), jax.tree.leaves(grads1)
+    largest = max(float(jnp.max(jnp.abs(g))) for _, g in flat0)
     for (path, g0), g1 in zip(flat0, flat1, strict=True):
         assert g1.dtype == g0.dtype, path
-        assert rel(g1, g0) <= F32_RTOL, (jax.tree_util.keystr(path), rel(g1, g0))
+        difference = grad_rel(g1, g0, largest)
+        assert difference <= F32_RTOL, (jax.tree_util.keystr(path), difference)
+    worst = max(grad_rel(g1, g0, largest) for (_, g0), g1 in zip(flat0, flat1, strict=True))
+    print(f"{family} float32: logits {rel(logits1, logits0):.3g}, gradients {worst:.3g}")
 
     # init under the patch: the same tree, shapes, dtypes and values (checkpoints load).
     fresh = model.init(jax.random.key(0), TOKENS)["params"]

@@ -149,6 +149,16 @@ def rel(ours, theirs):
     return float(np.max(np.abs(ours - theirs)) / scale) if scale else float(np.any(ours))
 
 
+def grad_rel(ours, theirs, largest):
+    """max |ours - theirs| over the leaf's own largest gradient, or over 1 % of the
+    model's largest where the leaf's is smaller: a gradient that is zero in exact
+    arithmetic (a scalar before a norm, which is scale-invariant) is rounding noise in
+    float32 in both models, and only its absolute size can be compared."""
+    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
+    scale = max(float(np.max(np.abs(theirs))), 0.01 * largest)
+    return float(np.max(np.abs(ours - theirs))) / scale
+
+
 def rel_l2(ours, reference):
     ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
     return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
@@ -183,10 +193,15 @@ def test_float32_logits_and_gradients_are_tunixs(family):
     assert logits1.dtype == logits0.dtype
     assert rel(logits1, logits0) <= F32_RTOL
     assert rel(loss1, loss0) <= F32_RTOL
+    largest = max(float(jnp.max(jnp.abs(g[...]))) for _, g in nnx.to_flat_state(grads0))
+    worst = 0.0
     for path, g0 in nnx.to_flat_state(grads0):
         g1 = dict(nnx.to_flat_state(grads1))[path]
         assert g1.dtype == g0.dtype, path
-        assert rel(g1[...], g0[...]) <= F32_RTOL, (path, rel(g1[...], g0[...]))
+        difference = grad_rel(g1[...], g0[...], largest)
+        assert difference <= F32_RTOL, (path, difference)
+        worst = max(worst, difference)
+    print(f"{family} float32: logits {rel(logits1, logits0):.3g}, gradients {worst:.3g}")
 
     # The parameters are tunix's: untouched by the patched calls, and a model built under
     # the patch has the same tree and values (checkpoints load unchanged).
@@ -296,6 +311,7 @@ def test_a_checkpoint_loads_into_the_patched_model():
     assert rel(got, expected) <= F32_RTOL
 
 
+@pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated:DeprecationWarning")
 def test_one_peft_trainer_step():
     """One step of tunix's own trainer (full fine-tuning, SGD), patched and not, from the
     same parameters: the updated parameters agree to float32 rounding."""
@@ -329,10 +345,16 @@ def test_one_peft_trainer_step():
         ours = one_step(build("gemma3"))
         assert patch.calls > 0, repr(patch)
     moved = 0
+    largest = max(
+        float(np.max(np.abs(np.asarray(t[...], np.float64) - np.asarray(s[...], np.float64))))
+        for (_, t), (_, s) in zip(nnx.to_flat_state(theirs), nnx.to_flat_state(start), strict=True)
+    )
     for (path, t), (_, o), (_, s) in zip(
         nnx.to_flat_state(theirs), nnx.to_flat_state(ours), nnx.to_flat_state(start), strict=True
     ):
         step = np.asarray(t[...], np.float64) - np.asarray(s[...], np.float64)
         moved += bool(np.any(step != 0))
-        assert rel(o[...], t[...]) <= F32_RTOL, path
+        # The steps (parameters after minus before) compared as gradients are.
+        ours_step = np.asarray(o[...], np.float64) - np.asarray(s[...], np.float64)
+        assert grad_rel(ours_step, step, largest) <= F32_RTOL, path
     assert moved > 0  # the step changed the parameters

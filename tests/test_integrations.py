@@ -780,7 +780,8 @@ def _plus_one(original, implementation, hit):
     """A replacement that computes the wrong formula: ``(1 + scale) * x_hat``."""
 
     def __call__(self, x, mask=None):
-        return rms_norm(x, self.scale[...], self.epsilon, scale_offset=1.0)
+        scale = None if self.scale is None else self.scale[...]
+        return rms_norm(x, scale, self.epsilon, axis=self.reduction_axes, scale_offset=1.0)
 
     return __call__
 
@@ -789,7 +790,8 @@ def _float32_out(original, implementation, hit):
     """A replacement that loses flax's output dtype."""
 
     def __call__(self, x, mask=None):
-        return rms_norm(x, self.scale[...], self.epsilon, dtype=jnp.float32)
+        scale = None if self.scale is None else self.scale[...]
+        return rms_norm(x, scale, self.epsilon, axis=self.reduction_axes, dtype=jnp.float32)
 
     return __call__
 
@@ -815,15 +817,15 @@ def test_patch_refuses_a_replacement_that_differs(monkeypatch, make, message):
 def test_patch_maxtext_refuses_a_norm_it_does_not_compute(monkeypatch):
     """A fork whose RMSNorm has MaxText's signature but another formula is refused."""
     module = types.ModuleType("fork_normalizations")
-    module.__dict__.update(maxtext_standin.__dict__)
+    module.__dict__.update({k: v for k, v in vars(maxtext_standin).items() if k[:2] != "__"})
 
     class RMSNorm(maxtext_standin.RMSNorm):
         def __call__(self, x, out_sharding=None):
             return 2 * super().__call__(x, out_sharding)
 
-    RMSNorm.__module__ = module.__name__
+    RMSNorm.__module__, RMSNorm.__qualname__ = module.__name__, "RMSNorm"
     module.RMSNorm = RMSNorm
-    with pytest.raises(RuntimeError, match=r"refused fork_normalizations\.RMSNorm.*differ by"):
+    with pytest.raises(RuntimeError, match=r"refused fork_normalizations\.RMSNorm: .* differ by"):
         integrations.patch_maxtext(module=module)
     assert not hasattr(RMSNorm.__dict__["__call__"], "__rmsnorm_jax_original__")
 
