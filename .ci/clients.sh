@@ -29,7 +29,7 @@ GEMMA=("gemma==4.0.1" "sentencepiece==0.2.1" "jax==0.12.0.1" "jaxlib==0.12.0.1"
   "flax==0.12.12" "kauldron==1.4.4" "protobuf==6.33.6")
 
 make_venv() {  # make_venv NAME PYTHON PACKAGE...
-  local venv="$venvs/$1" python=$2
+  local name=$1 venv="$venvs/$1" python=$2
   shift 2
   rm -rf "$venv"
   "$python" -m venv "$venv"
@@ -38,7 +38,7 @@ make_venv() {  # make_venv NAME PYTHON PACKAGE...
   "$venv/bin/pip" install --quiet --upgrade pip
   "$venv/bin/pip" install --quiet "$@" "pytest>=8"
   "$venv/bin/pip" install --quiet --no-deps -e "$root"
-  "$venv/bin/python" -c "import jax, flax; print('$1: Python', __import__('sys').version.split()[0], \
+  "$venv/bin/python" -c "import jax, flax; print('$name: Python', __import__('sys').version.split()[0], \
 'jax', jax.__version__, 'flax', flax.__version__)"
 }
 
@@ -63,7 +63,8 @@ echo "=== installed (after $(elapsed))"
 run_tests() {  # run_tests NAME TEST_FILE...
   local venv="$venvs/$1"
   shift
-  JAX_PLATFORMS=cpu "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs "$@"
+  # -s: the tests print their float32 and bfloat16 differences against the library's own.
+  JAX_PLATFORMS=cpu "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@"
 }
 run_tests tunix tests/test_clients_tunix.py tests/test_clients_equinox.py \
   > "$venvs/tunix-tests.log" 2>&1 &
@@ -76,5 +77,5 @@ echo "=== google-tunix 0.1.7, equinox 0.13.8"
 cat "$venvs/tunix-tests.log"
 echo "=== gemma 4.0.1"
 cat "$venvs/gemma-tests.log"
-echo "=== clients: $([ "$status" = 0 ] && echo passed || echo FAILED) in $(elapsed)"
+echo "=== clients: $([ "$status" = 0 ] && echo passed || echo FAILED) in $(elapsed) (CPU time: $(times | tail -n 1))"
 exit "$status"
