@@ -740,3 +740,117 @@ def test_patch_flax_undo():
     integrations.patch_flax()
     integrations.unpatch_flax()
     assert (nnx.RMSNorm.__dict__["__call__"], nn.RMSNorm.__dict__["__call__"]) == own
+
+
+# ---------------------------------------------------------------- every patch: checked, counted
+
+
+def test_patch_counts_the_calls_and_says_when_it_reached_nothing():
+    norm = _nnx_norm()
+    x = offset_normal((3, 16))
+    with integrations.patch_flax() as patch:
+        assert patch.calls == 0
+        assert "reached nothing" in repr(patch)
+        norm(x)  # eager: one call
+        jax.jit(lambda x: norm(x) + norm(2 * x))(x)  # one trace, two norm calls
+        jax.jit(lambda x: norm(x) + norm(2 * x))(x)  # a new function: traced again
+        assert patch.calls == 5
+        assert patch.calls_by_target["flax.nnx.nn.normalization.RMSNorm.__call__"] == 5
+        assert "5 norm calls through rms_norm" in repr(patch)
+        assert "reached nothing" not in repr(patch)
+    assert "undone" in repr(patch)
+
+
+def test_patch_and_undo_drop_earlier_traces():
+    """A jitted function traced before the patch runs ours at its next call, and flax's
+    again after undo (the patch clears jax's caches both ways)."""
+    norm = _nnx_norm(scale_init=nnx.initializers.normal(0.5))
+    x = offset_normal((3, 16))
+    step = nnx.jit(lambda n, x: n(x))
+    theirs = step(norm, x)
+    with integrations.patch_flax() as patch:
+        ours = step(norm, x)
+        assert patch.calls == 1
+    assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(step(norm, x), theirs)
+    assert patch.calls == 1  # undone: flax's own method ran
+
+
+def _plus_one(original, implementation, hit):
+    """A replacement that computes the wrong formula: ``(1 + scale) * x_hat``."""
+
+    def __call__(self, x, mask=None):
+        scale = None if self.scale is None else self.scale[...]
+        return rms_norm(x, scale, self.epsilon, axis=self.reduction_axes, scale_offset=1.0)
+
+    return __call__
+
+
+def _float32_out(original, implementation, hit):
+    """A replacement that loses flax's output dtype."""
+
+    def __call__(self, x, mask=None):
+        scale = None if self.scale is None else self.scale[...]
+        return rms_norm(x, scale, self.epsilon, axis=self.reduction_axes, dtype=jnp.float32)
+
+    return __call__
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (_plus_one, r"float32 outputs differ by \d\.\d+ relative .* more than 1e-06"),
+        (_float32_out, r"ours gives .*float32.* where the library gives .*bfloat16"),
+    ],
+)
+def test_patch_refuses_a_replacement_that_differs(monkeypatch, make, message):
+    from rmsnorm_jax.integrations import _flax
+
+    own = (nnx.RMSNorm.__dict__["__call__"], nn.RMSNorm.__dict__["__call__"])
+    monkeypatch.setattr(_flax, "_nnx_call", make)
+    with pytest.raises(RuntimeError, match=r"refused flax\.nnx\.nn\.normalization\.RMSNorm") as err:
+        integrations.patch_flax()
+    assert err.match(message) and err.match("Nothing was patched")
+    assert (nnx.RMSNorm.__dict__["__call__"], nn.RMSNorm.__dict__["__call__"]) == own
+
+
+def test_patch_maxtext_refuses_a_norm_it_does_not_compute(monkeypatch):
+    """A fork whose RMSNorm has MaxText's signature but another formula is refused."""
+    module = types.ModuleType("fork_normalizations")
+    module.__dict__.update({k: v for k, v in vars(maxtext_standin).items() if k[:2] != "__"})
+
+    class RMSNorm(maxtext_standin.RMSNorm):
+        def __call__(self, x, out_sharding=None):
+            return 2 * super().__call__(x, out_sharding)
+
+    RMSNorm.__module__, RMSNorm.__qualname__ = module.__name__, "RMSNorm"
+    module.RMSNorm = RMSNorm
+    with pytest.raises(RuntimeError, match=r"refused fork_normalizations\.RMSNorm: .* differ by"):
+        integrations.patch_maxtext(module=module)
+    assert not hasattr(RMSNorm.__dict__["__call__"], "__rmsnorm_jax_original__")
+
+
+@pytest.mark.parametrize(
+    ("patch", "package", "install"),
+    [
+        ("patch_tunix", "tunix", "pip install google-tunix"),
+        ("patch_gemma", "gemma", "pip install gemma"),
+        ("patch_equinox", "equinox", "pip install equinox"),
+    ],
+)
+def test_patch_of_a_library_not_installed_says_how_to_install(monkeypatch, patch, package, install):
+    for name in [m for m in sys.modules if m.split(".")[0] == package]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(ImportError, match=install):
+        getattr(integrations, patch)()
+
+
+def test_import_rmsnorm_jax_imports_no_client_library():
+    code = (
+        "import sys, rmsnorm_jax, rmsnorm_jax.integrations\n"
+        "found = [m for m in sys.modules if m.split('.')[0] in "
+        "('tunix', 'gemma', 'equinox', 'maxtext', 'MaxText')]\n"
+        "assert not found, found\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# CI job: rmsnorm_jax.integrations against the JAX libraries people train with, each at
+# the pinned version in a virtual environment of its own, with this checkout installed
+# editable:
+#   - google-tunix 0.1.7 and equinox 0.13.8, the machine's python3 (3.11 here):
+#     tests/test_clients_tunix.py, tests/test_clients_equinox.py;
+#   - gemma 4.0.1 (Google DeepMind; needs Python >= 3.12), pyenv's 3.12.1:
+#     tests/test_clients_gemma.py.
+# The two environments install side by side, then the two test runs go side by side (each
+# is mostly one compiling thread); the job prints its duration. The environments live in
+# $RMSNORM_JAX_CLIENT_VENVS (default: a folder under $TMPDIR, outside the checkout) and
+# are made anew each run.
+#   .ci/clients.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+start=$SECONDS
+venvs=${RMSNORM_JAX_CLIENT_VENVS:-${TMPDIR:-/tmp}/rmsnorm_jax-clients}
+elapsed() { echo "$(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"; }
+
+# The client libraries, pinned (issue 33), and the versions pip resolved for them when
+# the tests were written (pinned too, so that a new jax or flax release does not change
+# what this job tests; move them together, deliberately).
+TUNIX=("google-tunix==0.1.7" "equinox==0.13.8" "jax==0.10.2" "jaxlib==0.10.2"
+  "flax==0.12.8" "optax==0.2.8" "qwix==0.1.8")
+# sentencepiece 0.2.3 is built for protobuf 7 and fails at `import gemma.gm.nn` next to
+# the protobuf 6 that tensorflow brings in ("incompatible Protobuf Gencode/Runtime").
+GEMMA=("gemma==4.0.1" "sentencepiece==0.2.1" "jax==0.12.0.1" "jaxlib==0.12.0.1"
+  "flax==0.12.12" "kauldron==1.4.4" "protobuf==6.33.6")
+
+make_venv() {  # make_venv NAME PYTHON PACKAGE...
+  local name=$1 venv="$venvs/$1" python=$2
+  shift 2
+  rm -rf "$venv"
+  "$python" -m venv "$venv"
+  # A current pip: the old resolver of Python 3.12's bundled pip backtracked over gemma's
+  # dependencies for more than 25 minutes (CLIENTS.md); pip 26 resolves them in about 1.5.
+  "$venv/bin/pip" install --quiet --upgrade pip
+  "$venv/bin/pip" install --quiet "$@" "pytest>=8"
+  "$venv/bin/pip" install --quiet --no-deps -e "$root"
+  "$venv/bin/python" -c "import jax, flax; print('$name: Python', __import__('sys').version.split()[0], \
+'jax', jax.__version__, 'flax', flax.__version__)"
+}
+
+mkdir -p "$venvs"
+echo "=== installing into $venvs"
+make_venv tunix python3 "${TUNIX[@]}" > "$venvs/tunix-install.log" 2>&1 &
+tunix_install=$!
+PYENV_VERSION=3.12.1 make_venv gemma python3.12 "${GEMMA[@]}" > "$venvs/gemma-install.log" 2>&1 &
+gemma_install=$!
+status=0
+wait "$tunix_install" || status=$?
+tail -n 1 "$venvs/tunix-install.log"
+wait "$gemma_install" || status=$?
+tail -n 1 "$venvs/gemma-install.log"
+if [ "$status" != 0 ]; then
+  cat "$venvs/tunix-install.log" "$venvs/gemma-install.log"
+  echo "=== clients: an install failed (after $(elapsed))"
+  exit 1
+fi
+echo "=== installed (after $(elapsed))"
+
+run_tests() {  # run_tests NAME TEST_FILE...
+  local venv="$venvs/$1"
+  shift
+  # -s: the tests print their float32 and bfloat16 differences against the library's own.
+  JAX_PLATFORMS=cpu "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@"
+}
+run_tests tunix tests/test_clients_tunix.py tests/test_clients_equinox.py \
+  > "$venvs/tunix-tests.log" 2>&1 &
+tunix_tests=$!
+run_tests gemma tests/test_clients_gemma.py > "$venvs/gemma-tests.log" 2>&1 &
+gemma_tests=$!
+wait "$tunix_tests" || status=$?
+wait "$gemma_tests" || status=$?
+echo "=== google-tunix 0.1.7, equinox 0.13.8"
+cat "$venvs/tunix-tests.log"
+echo "=== gemma 4.0.1"
+cat "$venvs/gemma-tests.log"
+echo "=== clients: $([ "$status" = 0 ] && echo passed || echo FAILED) in $(elapsed) (CPU time: $(times | tail -n 1))"
+exit "$status"

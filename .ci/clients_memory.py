@@ -1,0 +1,293 @@
+"""Train-step temporary memory: each client library's own norm against ``patch_<library>()``.
+
+Issue 33, item 5. For each configuration, ``jax.value_and_grad`` of a next-token loss over
+every parameter is compiled twice, with the library's norm and under its patch, for each
+target (XLA:CPU here; H100 and TPU v5e deviceless, as ``rmsnorm_jax.aot`` does), and the
+compiled program's ``temp_size_in_bytes`` is recorded. Nothing runs: parameters and tokens
+are abstract (``jax.ShapeDtypeStruct``) on one device of the target (TPU v5e: one chip of
+a 2x2 slice).
+
+Run it in a client environment of ``.ci/clients.sh`` with the compilers added
+(``pip install "jax[tpu]==<jax>" "jax-cuda12-plugin==<jax>" "jax-cuda12-pjrt==<jax>"
+nvidia-cuda-nvcc-cu12``), from the repository root::
+
+    JAX_PLATFORMS=cpu python .ci/clients_memory.py tunix --out docs/results/memory-tunix.json
+
+Widths are those of the 270M-1B models (Gemma 3 270M, Llama 3.2 1B, Qwen3 0.6B), with
+fewer layers and a 32k vocabulary so that a compile fits this machine; batch 4 x 512.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+warnings.simplefilter("ignore", DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from rmsnorm_jax import aot, integrations  # noqa: E402
+
+BATCH, LENGTH, VOCAB = 4, 512, 32768
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+# ---------------------------------------------------------------- the models, abstract
+
+
+def _tunix(name: str, dtype, remat: str):
+    """(abstract params, loss(params, tokens)) of a tunix model."""
+    from flax import nnx
+
+    if name == "gemma3":
+        from tunix.models.gemma3 import model as m
+
+        cfg = m.ModelConfig(
+            num_layers=6,
+            num_embed=VOCAB,
+            embed_dim=640,
+            hidden_dim=2048,
+            num_heads=4,
+            head_dim=256,
+            num_kv_heads=1,
+            sliding_window_size=512,
+            param_dtype=dtype,
+            remat_config=getattr(m.RematConfig, remat),
+        )
+        cls = m.Gemma3
+    elif name == "llama3":
+        from tunix.models.llama3 import model as m
+
+        cfg = m.ModelConfig(
+            num_layers=4,
+            vocab_size=VOCAB,
+            embed_dim=2048,
+            hidden_dim=8192,
+            num_heads=32,
+            head_dim=64,
+            num_kv_heads=8,
+            rope_theta=500_000,
+            norm_eps=1e-5,
+            remat_config=getattr(m.RematConfig, remat),
+        )
+        cls = m.Llama3
+    else:
+        from tunix.models.qwen3 import model as m
+
+        cfg = m.ModelConfig(
+            num_layers=6,
+            vocab_size=VOCAB,
+            embed_dim=1024,
+            hidden_dim=3072,
+            num_heads=16,
+            head_dim=128,
+            num_kv_heads=8,
+            rope_theta=1_000_000,
+            norm_eps=1e-6,
+            dtype=dtype,
+            param_dtype=F32,
+            remat_config=getattr(m.RematConfig, remat),
+        )
+        cls = m.Qwen3
+    model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if name == "llama3" and dtype == BF16:  # no dtype in llama3's config: cast parameters
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, BF16), params)
+    positions = jnp.arange(LENGTH)[None].repeat(BATCH, 0)
+    mask = jnp.tril(jnp.ones((LENGTH, LENGTH), bool))[None].repeat(BATCH, 0)
+
+    def logits(params, tokens):
+        return nnx.merge(graphdef, params, rest)(tokens, positions, None, mask)[0]
+
+    return params, logits
+
+
+def _gemma(name: str, dtype, remat: str):
+    from gemma import gm
+    from gemma.gm.nn import _config, _modules
+
+    local, glob = _modules.AttentionType.LOCAL_SLIDING, _modules.AttentionType.GLOBAL
+    cfg = _config.TransformerConfig(
+        num_embed=VOCAB,
+        embed_dim=640,
+        hidden_dim=2048,
+        num_heads=4,
+        head_dim=256,
+        num_kv_heads=1,
+        final_logit_softcap=None,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+        use_qk_norm=True,
+        attention_types=(local,) * 5 + (glob,),
+        sliding_window_size=512,
+        transpose_gating_einsum=True,
+    )
+    model = gm.nn.Transformer(config=cfg, dtype=dtype)
+    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+
+    def logits(params, tokens):
+        return model.apply({"params": params}, tokens).logits
+
+    return params, logits
+
+
+def _equinox(name: str, dtype, remat: str):
+    import equinox as eqx
+
+    dim, layers = 1024, 6
+
+    class Block(eqx.Module):
+        norm1: eqx.nn.RMSNorm
+        attention: eqx.nn.MultiheadAttention
+        norm2: eqx.nn.RMSNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.norm1 = eqx.nn.RMSNorm(dim, dtype=dtype)
+            self.attention = eqx.nn.MultiheadAttention(8, dim, key=k1, dtype=dtype)
+            self.norm2 = eqx.nn.RMSNorm(dim, dtype=dtype)
+            self.mlp = eqx.nn.MLP(dim, dim, 4 * dim, 1, jax.nn.gelu, key=k2, dtype=dtype)
+
+        def __call__(self, x):
+            h = jax.vmap(self.norm1)(x)
+            x = x + self.attention(h, h, h, mask=jnp.tril(jnp.ones((LENGTH, LENGTH), bool)))
+            return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+    class LM(eqx.Module):
+        embedding: eqx.nn.Embedding
+        blocks: list
+        norm: eqx.nn.RMSNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            keys = jax.random.split(key, layers + 2)
+            self.embedding = eqx.nn.Embedding(VOCAB, dim, key=keys[0], dtype=dtype)
+            self.blocks = [Block(k) for k in keys[2:]]
+            self.norm = eqx.nn.RMSNorm(dim, dtype=dtype)
+            self.head = eqx.nn.Linear(dim, VOCAB, key=keys[1], dtype=dtype)
+
+        def __call__(self, tokens):
+            x = jax.vmap(self.embedding)(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+    model = eqx.filter_eval_shape(LM, jax.random.key(0))
+    params, static = eqx.partition(model, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+
+    def logits(params, tokens):
+        return jax.vmap(eqx.combine(params, static))(tokens)
+
+    return params, logits
+
+
+LIBRARIES = {
+    "tunix": (
+        _tunix,
+        integrations.patch_tunix,
+        [
+            ("gemma3", F32, "NONE"),
+            ("gemma3", BF16, "NONE"),
+            ("llama3", BF16, "BLOCK"),
+            ("qwen3", BF16, "NONE"),  # bfloat16 activations, float32 parameters
+            ("qwen3", BF16, "DECODER"),
+        ],
+    ),
+    "gemma": (
+        _gemma,
+        integrations.patch_gemma,
+        [("gemma3", F32, "NONE"), ("gemma3", BF16, "NONE")],
+    ),
+    "equinox": (
+        _equinox,
+        integrations.patch_equinox,
+        [("lm", F32, "NONE"), ("lm", BF16, "NONE")],
+    ),
+}
+
+
+# ---------------------------------------------------------------- compiling
+
+
+def temp_bytes(build, patch, config, target) -> tuple[int, int]:
+    """(the library's norm, ours): temp bytes of the compiled value_and_grad step."""
+    # One device of the target (TPU v5e: one chip of the 2x2 slice): one device's program.
+    mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("devices",))
+    result = []
+    for patched in (False, True):
+        context = patch() if patched else None
+        try:
+            params, logits = build(*config)
+
+            def loss(params, tokens, logits=logits):
+                out = logits(params, tokens)[:, :-1].astype(F32)
+                nll = -jnp.take_along_axis(jax.nn.log_softmax(out), tokens[:, 1:, None], -1)
+                return nll.mean()
+
+            args = (
+                jax.tree.map(lambda a: aot.struct(a.shape, a.dtype, mesh, P()), params),
+                aot.struct((BATCH, LENGTH), jnp.int32, mesh, P()),
+            )
+            compiled = target.compile(jax.jit(jax.value_and_grad(loss)), *args)
+            result.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            if patched:
+                assert context.calls > 0, repr(context)  # the model was reached
+        finally:
+            if context is not None:
+                context.undo()
+    return tuple(result)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("library", choices=sorted(LIBRARIES))
+    parser.add_argument("--targets", default="cpu,h100,tpu-v5e")
+    parser.add_argument("--only", default="", help="comma-separated model names")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    build, patch, configs = LIBRARIES[args.library]
+    if args.only:
+        configs = [c for c in configs if c[0] in args.only.split(",")]
+    rows = []
+    for name in args.targets.split(","):
+        target = aot.get_target(name)
+        for config in configs:
+            start = time.time()
+            theirs, ours = temp_bytes(build, patch, config, target)
+            row = {
+                "library": args.library,
+                "model": config[0],
+                "dtype": jnp.dtype(config[1]).name,
+                "remat": config[2],
+                "target": target.name,
+                "theirs_MiB": round(theirs / 2**20, 1),
+                "ours_MiB": round(ours / 2**20, 1),
+                "ratio": round(ours / theirs, 3),
+            }
+            rows.append(row)
+            print(json.dumps(row), f"({time.time() - start:.0f} s)", flush=True)
+    meta = {
+        "command": " ".join(["python", ".ci/clients_memory.py", *sys.argv[1:]]),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "batch": [BATCH, LENGTH],
+        "vocab": VOCAB,
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
