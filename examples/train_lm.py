@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -38,10 +39,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if "--compile-for" in sys.argv:
-    # Deviceless compiles for TPU/GPU need the CPU runtime alone (rmsnorm_jax.aot), and
-    # this must be set before jax is imported.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_PLATFORMS" not in os.environ and (
+    "--compile-for" in sys.argv
+    # No device file of an accelerator (NVIDIA, AMD, TPU), read before jax is imported.
+    or not any(map(glob.glob, ("/dev/nvidia*", "/dev/kfd", "/dev/accel*", "/dev/vfio/[0-9]*")))
+):
+    # Deviceless compiles for TPU/GPU need the CPU runtime alone (rmsnorm_jax.aot). And on
+    # a machine without an accelerator, jax would otherwise try the CUDA plugin and libtpu
+    # that the `aot` and `test` extras install, printing some 30 lines of errors before
+    # it falls back to the CPU (docs/development.md). Set before jax is imported.
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import flax.linen as nn
 import jax
