@@ -1002,7 +1002,7 @@ def compile_for(cfg: Config, target_name: str) -> dict:
     The real XLA:TPU or XLA:GPU compiler builds the program for the target's devices
     (``rmsnorm_jax.aot``); returns and prints the per-device memory (parameters and
     optimizer state, the batch, temporaries) and the compiler's own estimate of one
-    step (a cost model, not a hardware timing; none on CPU).
+    step (a cost model, not a hardware timing; none for ``cpu`` and ``a100``).
     """
     from rmsnorm_jax import aot
 
@@ -1031,7 +1031,7 @@ def compile_for(cfg: Config, target_name: str) -> dict:
     }
     mib = 2**20
     estimate = (
-        "no estimate on CPU"
+        f"no estimate (the compiler has no cost model for {target.name})"
         if report["step_estimate"] is None
         else f"{report['step_estimate']:,.0f} {target.estimate_unit} per step "
         f"(the compiler's cost model, not a hardware timing)"
