@@ -11,8 +11,8 @@ differs between versions) and jax, so each file holds every run, and the docs qu
 range over the committed files (``tests/test_doc_numbers.py`` reads them back). A
 deviceless compile depends only on the versions of jax and its compilers: one run.
 
-Writes ``examples/results/<what>-py<X.Y>-jax<version>.json``; ``--out DIR`` writes there
-instead.
+Writes ``examples/results/<what>-py<X.Y>-jax<version>.json`` (and the last run's plot
+beside it, ``.png``); ``--out DIR`` writes there instead.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -119,15 +120,17 @@ def _span(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "max": max(values), "median": statistics.median(values)}
 
 
-def measure_default(runs: int) -> dict:
+def measure_default(runs: int, plot: Path) -> dict:
     """The default run (600 steps): final validation loss, unigram entropy, wall time of
-    the whole command, training time and the median step time."""
+    the whole command, training time and the median step time. The last run's plot is
+    copied to ``plot``."""
     records = []
     for i in range(runs):
         with tempfile.TemporaryDirectory() as work:
             load = _loadavg()
             _, wall = _run([str(EXAMPLE), "--workdir", work, "--no-progress"])
             m = json.loads((Path(work) / "metrics.json").read_text())
+            shutil.copyfile(Path(work) / "loss.png", plot)
         steps = m["step_time"][5:]
         records.append(
             {
@@ -150,14 +153,16 @@ def measure_default(runs: int) -> dict:
     }
 
 
-def measure_compare(runs: int) -> dict:
-    """``--compare --steps 300 --eval-every 50``: per norm, the step-time table's row."""
+def measure_compare(runs: int, plot: Path) -> dict:
+    """``--compare --steps 300 --eval-every 50``: per norm, the step-time table's row. The
+    last run's plot is copied to ``plot``."""
     records = []
     for i in range(runs):
         with tempfile.TemporaryDirectory() as work:
             load = _loadavg()
             _, wall = _run([str(EXAMPLE), *COMPARE, "--workdir", work, "--no-progress"])
             rows = json.loads((Path(work) / "compare.json").read_text())
+            shutil.copyfile(Path(work) / "compare.png", plot)
         records.append({"rows": rows, "command_wall_s": wall, "loadavg_before": load})
         print(f"compare run {i + 1}/{runs}: {rows}", flush=True)
     norms = [r["norm"] for r in records[0]["rows"]]
@@ -210,13 +215,16 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error(f"--runs must be >= 1, got {args.runs}")
     started = time.strftime("%Y-%m-%d %H:%M")
     load = _loadavg()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    path = out / f"{args.what}-py{python}-jax{metadata.version('jax')}.json"
     if args.what == "default":
-        result = measure_default(args.runs)
+        result = measure_default(args.runs, path.with_suffix(".png"))
     elif args.what == "compare":
-        result = measure_compare(args.runs)
+        result = measure_compare(args.runs, path.with_suffix(".png"))
     else:
         result = measure_compile_for()
-    python = f"{sys.version_info.major}.{sys.version_info.minor}"
     result = {
         "what": args.what,
         "written_by": f"python examples/reproduce.py {args.what}"
@@ -229,9 +237,6 @@ def main(argv: list[str] | None = None) -> Path:
         "machine": f"{_cpu_model()}, {os.cpu_count()} cores",
         "loadavg": {"start": load, "end": _loadavg()},
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.what}-py{python}-jax{metadata.version('jax')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     return path
