@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
-    started = time.strftime("%Y-%m-%d %H:%M")
+    started, commit = time.strftime("%Y-%m-%d %H:%M"), _commit()  # what the runs measure
     load = _loadavg()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> Path:
         "written_by": f"python examples/reproduce.py {args.what}"
         + ("" if args.what == "compile-for" else f" --runs {args.runs}"),
         **result,
-        "commit": _commit(),
+        "commit": commit,
         "date": started,
         "python": platform.python_version(),
         "versions": _versions("jax", "jaxlib", "flax", "optax", "orbax-checkpoint"),
