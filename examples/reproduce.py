@@ -145,11 +145,10 @@ def measure_default(runs: int, plot: Path) -> dict:
             }
         )
         print(f"default run {i + 1}/{runs}: {records[-1]}", flush=True)
-    keys = ("final_val_loss", "command_wall_s", "train_s", "median_step_s")
     return {
         "command": "python examples/train_lm.py",
         "runs": records,
-        "summary": {k: _span([r[k] for r in records]) for k in keys},
+        "summary": _summary("default", records),
     }
 
 
@@ -165,19 +164,26 @@ def measure_compare(runs: int, plot: Path) -> dict:
             shutil.copyfile(Path(work) / "compare.png", plot)
         records.append({"rows": rows, "command_wall_s": wall, "loadavg_before": load})
         print(f"compare run {i + 1}/{runs}: {rows}", flush=True)
-    norms = [r["norm"] for r in records[0]["rows"]]
+    return {
+        "command": "python examples/train_lm.py " + " ".join(COMPARE),
+        "runs": records,
+        "summary": _summary("compare", records),
+    }
+
+
+def _summary(what: str, records: list[dict]) -> dict:
+    """min, max and median over the runs of each figure (per norm for ``compare``)."""
+    if what == "default":
+        keys = ("final_val_loss", "command_wall_s", "train_s", "median_step_s")
+        return {k: _span([r[k] for r in records]) for k in keys}
     summary = {}
-    for norm in norms:
+    for norm in [r["norm"] for r in records[0]["rows"]]:
         rows = [next(r for r in rec["rows"] if r["norm"] == norm) for rec in records]
         summary[norm] = {
             k: _span([r[k] for r in rows])
             for k in ("median_step_ms", "vs_layernorm", "final_val_loss", "wall_time_s")
         }
-    return {
-        "command": "python examples/train_lm.py " + " ".join(COMPARE),
-        "runs": records,
-        "summary": summary,
-    }
+    return summary
 
 
 def measure_compile_for() -> dict:
@@ -210,6 +216,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("what", choices=("default", "compare", "compile-for"))
     parser.add_argument("--runs", type=int, default=3, help="runs of a timed command")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the runs of the file already there (same Python and jax) and add these",
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
@@ -237,6 +248,16 @@ def main(argv: list[str] | None = None) -> Path:
         "machine": f"{_cpu_model()}, {os.cpu_count()} cores",
         "loadavg": {"start": load, "end": _loadavg()},
     }
+    for run in result.get("runs", []):
+        run.update(commit=commit, date=started)
+    if args.append and path.exists() and args.what != "compile-for":
+        earlier = json.loads(path.read_text())
+        for run in earlier["runs"]:  # files written before runs carried their commit
+            run.setdefault("commit", earlier["commit"])
+            run.setdefault("date", earlier["date"])
+        result["runs"] = earlier["runs"] + result["runs"]
+        result["summary"] = _summary(args.what, result["runs"])
+        result["written_by"] += " --append"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     return path
