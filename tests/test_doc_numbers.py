@@ -156,6 +156,9 @@ def _default_runs(files):
         "unigram entropy of the corpus's bytes (best context-free model)": (
             lambda f: _span([r["unigram_entropy"] for r in f["runs"]], ".3f") + " nats/byte"
         ),
+        "load average of the machine when a run started (2 cores, shared)": (
+            lambda f: _span([r["loadavg_before"] for r in f["runs"]], ".0f")
+        ),
     }
     lines = [
         "| | " + " | ".join(_version(f) for f in files) + " |",
@@ -196,7 +199,9 @@ def _compare_runs(files):
         ),
     ]
     losses = [[r["final_val_loss"] for r in rows] for rows in runs]
+    loads = [run["loadavg_before"] for f in files for run in f["runs"]]
     return {
+        "load": _span(loads, ".0f"),
         "table": "\n".join(lines),
         "runs": str(len(runs)),
         "rms": over_runs("rmsnorm", "vs_layernorm", ".2f"),
@@ -257,6 +262,13 @@ CLAIMS = [
     ),
     Claim("docs/example.md", "{table}", (f"{EXAMPLE}/default-*.json",), _default_runs),
     Claim("docs/example.md", "{table}", (f"{EXAMPLE}/compare-*.json",), _compare_runs),
+    Claim(
+        "docs/example.md",
+        "({runs} runs, {versions}; load average {load} on the 2 shared cores when they "
+        "started), as ranges over the runs:",
+        (f"{EXAMPLE}/compare-*.json",),
+        _compare_runs,
+    ),
     Claim(
         "docs/example.md",
         "A train step with RMSNorm took {rms}x the time of one with LayerNorm on this model, "
