@@ -353,8 +353,20 @@ def measure_ops_shape(mib, features, dtype, platform, timer, args) -> list[dict]
         results.append(row)
     for p, kind in absent:
         results.append(row_of(p, kind, status=p.status, note=p.note))
-    report.add_op_ratios(results, with_bound=not args.quick)
+    report.add_op_ratios(results, with_bound=shows_bound(platform, args.quick))
     return results
+
+
+def shows_bound(platform: str, quick: bool) -> bool:
+    """Whether ``ops`` gives each program's "% of bound": in full runs on a GPU or TPU.
+
+    Not in a smoke run (a copy of 0.125 MiB is launch overhead, not a bound), and not on
+    a CPU: there the copy baseline's rate is no bound. XLA:CPU spends most of a copy into a
+    fresh 32 MiB output on page faults (most of the benchmark's CPU time is system time,
+    docs/cpu.md), which a program that writes less or reuses a buffer avoids; issue 35 saw
+    programs at up to 505 % of the copy's rate, which no cache explains.
+    """
+    return not quick and platform != "cpu"
 
 
 def run_ops(args, platform, timer, section, progress) -> None:
@@ -557,7 +569,7 @@ def run_estimates(args) -> dict:
         target, mlps=("swiglu",) if args.quick else models.MLPS, **shapes["memory"]
     )
     print(f"compiled: {target.name} train steps (memory, kernels)", flush=True)
-    cost = estimates.train_step_cost(target, **shapes["cost"])
+    cost = estimates.train_step_cost(target, dtypes=args.dtypes, **shapes["cost"])
     header = report.estimates_header(target, args.command, args.quick, mib)
     tables = report.step_tables(target, memory, cost, shapes)
     out.mkdir(parents=True, exist_ok=True)

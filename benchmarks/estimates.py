@@ -61,9 +61,12 @@ def target(name: str) -> aot.Target:
     """The target called ``name``, refused when its compiler has no cost model."""
     found = aot.get_target(name)
     if found.estimate_unit is None:
+        tpus = ", ".join(n for n in aot.target_names() if n.startswith("tpu"))
         raise ValueError(
             f"--target {name}: the compiler has no cost model for {found.name} in this jaxlib, "
-            "so there is nothing to estimate; pick h100 or a TPU (tpu-v5e, tpu-v6e, ...)."
+            "so there is nothing to estimate (its programs still compile, with their "
+            f"memory: `python examples/train_lm.py --compile-for {name}`, or rmsnorm_jax.aot); "
+            f"pick h100 or a TPU ({tpus})."
         )
     return found
 
@@ -253,10 +256,20 @@ def train_step_memory(
         flax = next((r["temp_bytes"] for r in rows if r["norm"] == "flax RMSNorm"), None)
         floor = next((r["temp_bytes"] for r in rows if r["norm"] == MEMORY_FLOOR), None)
         for r in rows:
-            r["vs_flax"] = None if flax is None else r["temp_bytes"] / flax
-            r["vs_floor"] = None if floor is None else r["temp_bytes"] / floor
+            r["vs_flax"] = ratio(r["temp_bytes"], flax)
+            r["vs_floor"] = ratio(r["temp_bytes"], floor)
         out.extend(rows)
     return out
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """``value / base``, or None where there is no base or it is 0. A TPU compiler keeps
+    a small step's temporaries in on-chip memory (VMEM, CMEM), so its HBM temp bytes can
+    be 0: e.g. the ``--quick`` step (2 blocks, d 256, 512 tokens) on TPU v4, v5e, v6e and
+    TPU7x, where a ratio says nothing."""
+    if value is None or not base:
+        return None
+    return value / base
 
 
 def train_step_cost(
@@ -293,7 +306,7 @@ def train_step_cost(
             rows.append(dict(dtype=dtype, norm=name, step=aot.estimate(compiled, target)))
         ours = rows[0]["step"]
         for r in rows:
-            r["vs_ours"] = r["step"] / ours
+            r["vs_ours"] = ratio(r["step"], ours)
             r["minus_ours"] = r["step"] - ours
         out.extend(rows)
     return out

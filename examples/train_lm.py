@@ -28,19 +28,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import math
 import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-if "--compile-for" in sys.argv:
-    # Deviceless compiles for TPU/GPU need the CPU runtime alone (rmsnorm_jax.aot), and
-    # this must be set before jax is imported.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_PLATFORMS" not in os.environ and (
+    "--compile-for" in sys.argv
+    # No device file of an accelerator (NVIDIA, AMD, TPU), read before jax is imported.
+    or not any(map(glob.glob, ("/dev/nvidia*", "/dev/kfd", "/dev/accel*", "/dev/vfio/[0-9]*")))
+):
+    # Deviceless compiles for TPU/GPU need the CPU runtime alone (rmsnorm_jax.aot). And on
+    # a machine without an accelerator, jax would otherwise try the CUDA plugin and libtpu
+    # that the `aot` and `test` extras install, printing some 30 lines of errors before
+    # it falls back to the CPU (docs/development.md). Set before jax is imported.
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import flax.linen as nn
 import jax
@@ -424,20 +432,54 @@ def _config_from_json(saved: dict[str, Any]) -> Config:
     return Config(**values)
 
 
+def _against_saved(cfg: Config, saved: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``cfg`` as JSON with the saved run's schedule where ``cfg`` leaves it None, and the
+    fields outside ``MAY_DIFFER_ON_RESUME`` in which it differs from ``saved``, in words."""
+    requested = _config_json(cfg)
+    for name in ("schedule_steps", "warmup_steps"):
+        if requested[name] is None:
+            requested[name] = saved.get(name)
+    differing = [
+        f"{name} (saved {saved.get(name, 'nothing')!r}, now {requested.get(name, 'nothing')!r})"
+        for name in sorted(set(saved) | set(requested))
+        if name not in MAY_DIFFER_ON_RESUME and saved.get(name) != requested.get(name)
+    ]
+    return requested, differing
+
+
+def _is_retry(cfg: Config, workdir: Path) -> bool:
+    """Whether ``workdir`` holds only what a start of this same config left before its
+    first checkpoint (a failed or interrupted start: config.json, perhaps an unfinished
+    checkpoint; no finished checkpoint, no metrics, no plot). Nothing was trained there,
+    so the same command may start again from step 0, as ``--resume`` would."""
+    files = run_files(workdir)
+    if checkpoint_steps(workdir) or files["metrics"].exists() or files["plot"].exists():
+        return False
+    try:
+        saved = json.loads(files["config"].read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and not _against_saved(cfg, saved)[1]
+
+
 def plan_run(cfg: Config, workdir: str | Path, resume: bool, overwrite: bool) -> Config:
     """The config that a run of ``cfg`` in ``workdir`` trains with, or a ValueError that
     says why it may not run there. Changes nothing on disk.
 
     A workdir that holds a run needs ``resume`` (continue it) or ``overwrite`` (start
-    afresh). On resume the saved ``config.json`` must agree with ``cfg`` in every field
-    outside ``MAY_DIFFER_ON_RESUME``; ``schedule_steps`` and ``warmup_steps`` left None
-    are the saved run's.
+    afresh), except where that run saved nothing and has this config (``_is_retry``: a
+    start that failed before its first checkpoint; it starts again). On resume the saved
+    ``config.json`` must agree with ``cfg`` in every field outside
+    ``MAY_DIFFER_ON_RESUME``; ``schedule_steps`` and ``warmup_steps`` left None are the
+    saved run's.
     """
     if resume and overwrite:
         raise ValueError("--resume and --overwrite exclude each other: pass one")
     workdir = Path(workdir)
     previous = _previous_run(workdir)
     if previous and not (resume or overwrite):
+        if _is_retry(cfg, workdir):
+            return plan_run(cfg, workdir, resume=True, overwrite=False)
         raise ValueError(
             f"{workdir} already holds a run ({', '.join(previous)}): pass --resume to "
             f"continue it, --overwrite to delete it and start afresh, or another --workdir"
@@ -453,15 +495,7 @@ def plan_run(cfg: Config, workdir: str | Path, resume: bool, overwrite: bool) ->
         warmup, length = schedule_of(cfg)
         return dataclasses.replace(cfg, warmup_steps=warmup, schedule_steps=length)
     saved = json.loads(config_file.read_text())
-    requested = _config_json(cfg)
-    for name in ("schedule_steps", "warmup_steps"):
-        if requested[name] is None:
-            requested[name] = saved.get(name)
-    differing = [
-        f"{name} (saved {saved.get(name, 'nothing')!r}, now {requested.get(name, 'nothing')!r})"
-        for name in sorted(set(saved) | set(requested))
-        if name not in MAY_DIFFER_ON_RESUME and saved.get(name) != requested.get(name)
-    ]
+    requested, differing = _against_saved(cfg, saved)
     if differing:
         raise ValueError(
             f"--resume: this command's config differs from the run saved in {config_file} "
@@ -476,25 +510,81 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
-def _on_all_processes_after(name: str) -> None:
-    """Waits until process 0 has changed the workdir (a no-op on one process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+def decided_by_process_0(decide: Callable[[], Any]) -> Any:
+    """``decide()`` run on process 0 alone, and its answer (anything JSON can hold) given
+    to every process; a ``ValueError`` it raises is raised on every process.
 
-        multihost_utils.sync_global_devices(name)
+    The workdir is read and changed by process 0 only: were every process to check it,
+    one would find the ``config.json`` that process 0 had just written and refuse the
+    run. The others wait here until process 0 has decided and acted (a barrier, and a
+    no-op on one process)."""
+    if jax.process_count() == 1:
+        return decide()
+    from jax.experimental import multihost_utils
+
+    message = b""
+    if jax.process_index() == 0:
+        try:
+            message = json.dumps({"answer": decide()}).encode()
+        except ValueError as err:
+            message = json.dumps({"error": str(err)}).encode()
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(message))))
+    buffer = np.frombuffer(message, np.uint8) if message else np.zeros(size, np.uint8)
+    received = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
+    if "error" in received:
+        raise ValueError(received["error"])
+    return received["answer"]
+
+
+def _remove_run(workdir: Path) -> None:
+    for path in run_files(workdir).values():
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def prepare_workdir(
+    cfg: Config, workdir: Path, resume: bool, overwrite: bool
+) -> tuple[Config, int | None]:
+    """Checks ``workdir`` (``plan_run``), prepares it for the run and says what it did:
+    ``(the config to train, the checkpoint step to resume from or None)``. On process 0
+    only (``decided_by_process_0``); nothing is changed when the run is refused or has
+    nothing to train."""
+
+    def decide() -> dict:
+        previous = _previous_run(workdir)
+        planned = plan_run(cfg, workdir, resume, overwrite)
+        steps = checkpoint_steps(workdir) if resume else []
+        latest = steps[-1] if steps else None
+        if latest is not None and latest >= planned.steps:
+            return {"config": _config_json(planned), "latest": latest}
+        if overwrite and previous:
+            _remove_run(workdir)
+            print(f"--overwrite: removed the previous run in {workdir} ({', '.join(previous)})")
+        elif previous and not resume:  # a retry (plan_run): nothing trained there
+            print(
+                f"{workdir} holds what a start of this command left before its first "
+                f"checkpoint ({', '.join(previous)}): nothing was trained, starting from step 0"
+            )
+        workdir.mkdir(parents=True, exist_ok=True)
+        run_files(workdir)["config"].write_text(json.dumps(_config_json(planned), indent=1) + "\n")
+        sys.stdout.flush()
+        return {"config": _config_json(planned), "latest": latest}
+
+    decided = decided_by_process_0(decide)
+    return _config_from_json(decided["config"]), decided["latest"]
 
 
 # ---------------------------------------------------------------- training loop
 
 
-def _checkpoint_manager(workdir: Path, cfg: Config):
+def _checkpoint_manager(workdir: Path):
     import orbax.checkpoint as ocp
 
     return ocp.CheckpointManager(
         run_files(workdir)["checkpoints"].absolute(),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, save_interval_steps=cfg.checkpoint_every
-        ),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2),  # saves: train_and_evaluate
     )
 
 
@@ -516,7 +606,7 @@ def train_and_evaluate(
     from tqdm import tqdm
 
     workdir = Path(workdir)
-    cfg = plan_run(cfg, workdir, resume, overwrite)
+    cfg, latest = prepare_workdir(cfg, workdir, resume, overwrite)
     files = run_files(workdir)
     train_tokens, val_tokens = split_tokens(load_corpus(cfg.data), cfg)
     metrics: dict[str, Any] = {
@@ -533,10 +623,8 @@ def train_and_evaluate(
     }
     saved_metrics_keys = ("train_loss", "step_time", "eval")
 
-    saved_steps = checkpoint_steps(workdir) if resume else []
-    latest = saved_steps[-1] if saved_steps else None
     if latest is not None and latest >= cfg.steps:
-        manager = _checkpoint_manager(workdir, cfg)
+        manager = _checkpoint_manager(workdir)
         restored = manager.restore(latest, args=ocp.args.Composite(metrics=ocp.args.JsonRestore()))
         manager.close()
         metrics.update({k: restored["metrics"][k] for k in saved_metrics_keys})
@@ -549,22 +637,10 @@ def train_and_evaluate(
         )
         return metrics
 
-    if jax.process_index() == 0:
-        if overwrite and (previous := _previous_run(workdir)):
-            for path in files.values():
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():
-                    path.unlink()
-            _say(f"--overwrite: removed the previous run in {workdir} ({', '.join(previous)})")
-        workdir.mkdir(parents=True, exist_ok=True)
-        files["config"].write_text(json.dumps(_config_json(cfg), indent=1) + "\n")
-    _on_all_processes_after("train_lm workdir ready")
-
     val = eval_batches(val_tokens, cfg)
     trainer = Trainer(cfg)
     metrics["mesh"] = dict(trainer.mesh.shape)
-    manager = _checkpoint_manager(workdir, cfg)
+    manager = _checkpoint_manager(workdir)
     start = 0
     if latest is not None:
         start = latest
@@ -608,16 +684,22 @@ def train_and_evaluate(
             if done % cfg.eval_every == 0 or done == cfg.steps:
                 eval_loss = trainer.evaluate(state["params"], val)
                 metrics["eval"].append({"step": done, "loss": eval_loss, "time": elapsed})
-                bar.write(f"step {done}: train {loss:.3f}  val {eval_loss:.3f} nats/byte")
+                if jax.process_index() == 0:  # tqdm.write prints on a disabled bar too
+                    bar.write(
+                        f"{cfg.norm} | step {done}: train {loss:.3f}  val {eval_loss:.3f} nats/byte"
+                    )
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
-            manager.save(
-                done,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(state),
-                    metrics=ocp.args.JsonSave({k: metrics[k] for k in saved_metrics_keys}),
-                ),
-                force=done == cfg.steps,  # the last step, even off the checkpoint interval
-            )
+            if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+                # Saved here, not by orbax's own policy: that one also saves the first
+                # step of a run without a checkpoint (a stray step-1 checkpoint).
+                manager.save(
+                    done,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state),
+                        metrics=ocp.args.JsonSave({k: metrics[k] for k in saved_metrics_keys}),
+                    ),
+                    force=True,
+                )
     finally:  # on Ctrl-C too: the checkpoint being written is finished, not left half-done
         bar.close()
         manager.wait_until_finished()
@@ -667,40 +749,69 @@ def plot_losses(runs: dict[str, dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def step_time_table(runs: dict[str, dict]) -> list[dict]:
+    """Per norm of ``runs`` (metrics by norm, LayerNorm among them): the median step time
+    after 5 warm-up steps, its quartiles, the ratio of medians to LayerNorm's with its
+    spread (this norm's quartiles over LayerNorm's, the other way round), the final
+    validation loss and the training time."""
+    times = {}
+    for norm, m in runs.items():
+        steps = np.asarray(m["step_time"][5:] or m["step_time"])  # skip compile, warm-up
+        times[norm] = 1e3 * np.percentile(steps, [25, 50, 75])
+    q1_base, base, q3_base = times["layernorm"]
+    return [
+        {
+            "norm": norm,
+            "median_step_ms": float(median),
+            "q1_step_ms": float(q1),
+            "q3_step_ms": float(q3),
+            "vs_layernorm": float(median / base),
+            "vs_layernorm_low": float(q1 / q3_base),
+            "vs_layernorm_high": float(q3 / q1_base),
+            "final_val_loss": m["final_eval_loss"],
+            "wall_time_s": m["wall_time"],
+        }
+        for (norm, m), (q1, median, q3) in zip(runs.items(), times.values(), strict=True)
+    ]
+
+
 def compare(
     cfg: Config, workdir: Path, resume: bool = False, overwrite: bool = False
 ) -> dict[str, dict]:
     """RMSNorm, pRMSNorm and LayerNorm with the same seed and data order, each in
     ``<workdir>/<norm>`` (``resume`` and ``overwrite`` as in ``train_and_evaluate``)."""
     workdir = Path(workdir)
-    for norm in NORMS:  # refuse before training any of them
-        plan_run(dataclasses.replace(cfg, norm=norm), workdir / norm, resume, overwrite)
+
+    def check_all() -> None:  # refuse before training any of them
+        for norm in NORMS:
+            plan_run(dataclasses.replace(cfg, norm=norm), workdir / norm, resume, overwrite)
+
+    decided_by_process_0(check_all)
     runs = {}
     for norm in NORMS:
         runs[norm] = train_and_evaluate(
             dataclasses.replace(cfg, norm=norm), workdir / norm, resume, overwrite
         )
-    rows = []
-    for norm, m in runs.items():
-        times = np.array(m["step_time"][5:] or m["step_time"])  # skip compile and warm-up
-        rows.append(
-            {
-                "norm": norm,
-                "median_step_ms": 1e3 * float(np.median(times)),
-                "final_val_loss": m["final_eval_loss"],
-                "wall_time_s": m["wall_time"],
-            }
-        )
-    base = next(r["median_step_ms"] for r in rows if r["norm"] == "layernorm")
+    rows = step_time_table(runs)
     lines = [
-        "| norm | median step (ms) | vs LayerNorm | final val loss | wall (s) |",
-        "|---|---|---|---|---|",
+        "| norm | median step (ms) | middle half of steps (ms) | vs LayerNorm (spread) "
+        "| final val loss | wall (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['norm']} | {r['median_step_ms']:.1f} | {r['median_step_ms'] / base:.3f} | "
-            f"{r['final_val_loss']:.3f} | {r['wall_time_s']:.1f} |"
+            f"| {r['norm']} | {r['median_step_ms']:.1f} | {r['q1_step_ms']:.1f}-"
+            f"{r['q3_step_ms']:.1f} | {r['vs_layernorm']:.3f} ({r['vs_layernorm_low']:.2f}-"
+            f"{r['vs_layernorm_high']:.2f}) | {r['final_val_loss']:.3f} | "
+            f"{r['wall_time_s']:.1f} |"
         )
+    lines += [
+        "",
+        "Step times after 5 warm-up steps. The norms train one after the other, so a load "
+        "that changes between them moves the ratio: the spread runs from the fast quarter "
+        "of this norm's steps over LayerNorm's slow quarter to the slow quarter over the "
+        "fast one; a spread that includes 1 shows no difference on this machine.",
+    ]
     table = "\n".join(lines)
     if jax.process_index() == 0:
         print(table)
@@ -778,11 +889,39 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     parser.add_argument(
         "--compare", action="store_true", help="train rmsnorm, prmsnorm and layernorm and compare"
     )
-    parser.add_argument(
+    launch = parser.add_argument_group(
+        "several processes (multi-host; docs/multihost.md has the commands)",
+        "Run the same command once per process, each with its own --process-id. Process 0 "
+        "checks and writes --workdir (which every host must see: a shared filesystem) and "
+        "prints; the others wait for it. Under SLURM, Open MPI or on a multi-host Cloud "
+        "TPU, --distributed alone is enough: jax reads the rest from the launcher.",
+    )
+    launch.add_argument(
         "--distributed",
         action="store_true",
-        help="call jax.distributed.initialize() (automatic under SLURM, Open MPI, "
-        "multi-host TPU or JAX_COORDINATOR_ADDRESS)",
+        help="call jax.distributed.initialize() (implied by any flag below, by "
+        "JAX_COORDINATOR_ADDRESS, and by SLURM or Open MPI with several tasks)",
+    )
+    launch.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        default=None,
+        help=f"process 0's host and a free port, the same on every process (default: "
+        f"${DISTRIBUTED_ENV['coordinator_address']})",
+    )
+    launch.add_argument(
+        "--num-processes",
+        metavar="N",
+        type=int,
+        default=None,
+        help=f"how many processes take part (default: ${DISTRIBUTED_ENV['num_processes']})",
+    )
+    launch.add_argument(
+        "--process-id",
+        metavar="I",
+        type=int,
+        default=None,
+        help=f"this process, 0 to N-1 (default: ${DISTRIBUTED_ENV['process_id']})",
     )
     parser.add_argument(
         "--compile-for",
@@ -863,7 +1002,7 @@ def compile_for(cfg: Config, target_name: str) -> dict:
     The real XLA:TPU or XLA:GPU compiler builds the program for the target's devices
     (``rmsnorm_jax.aot``); returns and prints the per-device memory (parameters and
     optimizer state, the batch, temporaries) and the compiler's own estimate of one
-    step (a cost model, not a hardware timing; none on CPU).
+    step (a cost model, not a hardware timing; none for ``cpu`` and ``a100``).
     """
     from rmsnorm_jax import aot
 
@@ -892,7 +1031,7 @@ def compile_for(cfg: Config, target_name: str) -> dict:
     }
     mib = 2**20
     estimate = (
-        "no estimate on CPU"
+        f"no estimate (the compiler has no cost model for {target.name})"
         if report["step_estimate"] is None
         else f"{report['step_estimate']:,.0f} {target.estimate_unit} per step "
         f"(the compiler's cost model, not a hardware timing)"
@@ -904,6 +1043,87 @@ def compile_for(cfg: Config, target_name: str) -> dict:
         f"{memory.temp_size_in_bytes / mib:.1f} MiB temporaries; {estimate}"
     )
     return report
+
+
+# Where --coordinator-address, --num-processes and --process-id are read from when not
+# given. jax itself reads only the first; the other two are this example's (a launcher
+# script sets them per process).
+DISTRIBUTED_ENV = {
+    "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
+
+
+def _cluster_launcher(env) -> str | None:
+    """The launcher from which jax.distributed.initialize() reads the process count, id
+    and coordinator by itself, or None."""
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
+        return "SLURM"
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return "Open MPI"
+    if "," in env.get("TPU_WORKER_HOSTNAMES", ""):
+        return "a multi-host Cloud TPU"
+    return None
+
+
+def distributed_options(args: argparse.Namespace, env=os.environ) -> dict[str, Any] | None:
+    """The keyword arguments of ``jax.distributed.initialize()`` for this command, or None
+    for a single process; a ValueError names what is missing or wrong.
+
+    Each of the coordinator's address, the process count and this process's id comes
+    from its flag, else from its variable in ``DISTRIBUTED_ENV``. All three are needed
+    unless a launcher that jax reads by itself (SLURM, Open MPI, a multi-host Cloud TPU)
+    started the process.
+    """
+    given: dict[str, Any] = {}
+    for name, variable in DISTRIBUTED_ENV.items():
+        flag = "--" + name.replace("_", "-")
+        value = getattr(args, name)
+        if value is None and env.get(variable):
+            value = env[variable]
+            if name != "coordinator_address":
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise ValueError(
+                        f"{variable}={value!r} is not an integer; set it to {flag}'s value"
+                    ) from None
+        given[name] = value
+    asked = args.distributed or any(value is not None for value in given.values())
+    if not (asked or launched_as_several_processes(env)):
+        return None
+    launcher = _cluster_launcher(env)
+    missing = [
+        f"--{name.replace('_', '-')} (or {DISTRIBUTED_ENV[name]})"
+        for name, value in given.items()
+        if value is None
+    ]
+    if missing and launcher is None:
+        raise ValueError(
+            "several processes need the coordinator's address, the number of processes and "
+            f"each one's id; missing {', '.join(missing)}. E.g. on two hosts: "
+            "--coordinator-address HOST0:1234 --num-processes 2 --process-id 0 on the first "
+            "and --process-id 1 on the second (docs/multihost.md); under SLURM, Open MPI or "
+            "on a multi-host Cloud TPU --distributed alone is enough"
+        )
+    address = given["coordinator_address"]
+    if address is not None:
+        host, _, port = str(address).rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"--coordinator-address {address!r} is not HOST:PORT; give process 0's host "
+                "and a free port, e.g. localhost:1234 or 10.0.0.1:1234"
+            )
+    count, index = given["num_processes"], given["process_id"]
+    if count is not None and count < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {count}")
+    if index is not None and not 0 <= index < (count if count is not None else index + 1):
+        raise ValueError(
+            f"--process-id {index} is outside 0..{count - 1 if count else '...'}: give each "
+            "process its own id from 0 to --num-processes - 1"
+        )
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def launched_as_several_processes(env=os.environ) -> bool:
@@ -938,8 +1158,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0
-    if args.distributed or launched_as_several_processes():
-        jax.distributed.initialize()
+    try:
+        options = distributed_options(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if options is not None:
+        jax.distributed.initialize(**options)
     try:
         validate_for_devices(cfg)
         load_corpus(cfg.data)  # fail fast on a missing or empty file

@@ -10,8 +10,11 @@ import dataclasses
 import importlib.util
 import io
 import json
+import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +126,9 @@ def test_loss_decreases_and_outputs_are_written(first_run):
         f"plot:        {workdir / 'loss.png'}",
     ]
     assert "final validation loss" in out and "resumed" not in out
+    # Every evaluation line names the norm, with or without the progress bar.
+    evals = [line for line in out.splitlines() if line.endswith("nats/byte")]
+    assert [line.split(":")[0] for line in evals] == [f"rmsnorm | step {n}" for n in (4, 8, 12)]
 
 
 @pytest.mark.parametrize("remove", [None, "config.json"])
@@ -263,6 +269,31 @@ def test_compare_refuses_before_training_any_norm(train_lm, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layernorm"]
 
 
+def test_compare_gives_the_ratio_with_its_spread(train_lm):
+    """The step-time table of --compare: medians and quartiles after 5 warm-up steps, and
+    the ratio to LayerNorm with the spread its quartiles allow (numbers by hand)."""
+    warm_up = [9.0] * 5  # seconds: compiling; left out
+
+    def run(ms):
+        return {
+            "step_time": warm_up + [t / 1e3 for t in ms],
+            "final_eval_loss": 2.5,
+            "wall_time": 1,
+        }
+
+    rows = train_lm.step_time_table(
+        {"rmsnorm": run([8, 9, 10, 11, 12]), "layernorm": run([10, 11, 12, 13, 14])}
+    )
+    by_norm = {r["norm"]: r for r in rows}
+    ours = by_norm["rmsnorm"]
+    assert (ours["q1_step_ms"], ours["median_step_ms"], ours["q3_step_ms"]) == pytest.approx(
+        (9, 10, 11)
+    )
+    assert ours["vs_layernorm"] == pytest.approx(10 / 12)
+    assert (ours["vs_layernorm_low"], ours["vs_layernorm_high"]) == pytest.approx((9 / 13, 1.0))
+    assert by_norm["layernorm"]["vs_layernorm"] == 1.0
+
+
 def test_data_and_model_mesh_on_eight_devices(train_lm, first_run, tmp_path):
     if jax.device_count() < 8:
         pytest.skip(
@@ -281,8 +312,12 @@ def test_data_and_model_mesh_on_eight_devices(train_lm, first_run, tmp_path):
 
 @pytest.mark.parametrize("norm", ["prmsnorm", "layernorm"])
 def test_other_norms_train(train_lm, tmp_path, norm):
-    m = train_lm.train_and_evaluate(_tiny(train_lm, norm=norm, steps=8), tmp_path)
+    cfg = _tiny(train_lm, norm=norm, steps=8, checkpoint_every=8)
+    m = train_lm.train_and_evaluate(cfg, tmp_path)
     assert np.mean(m["train_loss"][-3:]) < m["train_loss"][0] - 0.3
+    # One checkpoint per interval and the last step: none at step 1 (orbax's own policy
+    # saves a run's first step too).
+    assert train_lm.checkpoint_steps(tmp_path) == [8]
 
 
 @pytest.mark.parametrize(
@@ -362,3 +397,174 @@ def test_compile_for_an_unknown_target(train_lm, capsys):
     assert train_lm.main(["--compile-for", "tpu-v9"]) == 2
     err = capsys.readouterr().err
     assert "unknown compile target 'tpu-v9'" in err and "tpu-v5e" in err
+
+
+# ---------------------------------------------------------------- several processes
+
+
+def _launch_args(train_lm, argv, env):
+    _, args = train_lm.parse_args(argv)
+    return train_lm.distributed_options(args, env)
+
+
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        ([], {}, None),
+        (
+            [
+                "--coordinator-address",
+                "localhost:1234",
+                "--num-processes",
+                "2",
+                "--process-id",
+                "1",
+            ],
+            {},
+            {"coordinator_address": "localhost:1234", "num_processes": 2, "process_id": 1},
+        ),
+        (  # the environment variables named in --help, flags first
+            ["--process-id", "0"],
+            {
+                "JAX_COORDINATOR_ADDRESS": "10.0.0.1:99",
+                "JAX_NUM_PROCESSES": "4",
+                "JAX_PROCESS_ID": "3",
+            },
+            {"coordinator_address": "10.0.0.1:99", "num_processes": 4, "process_id": 0},
+        ),
+        (["--distributed"], {"SLURM_NTASKS": "4"}, {}),  # jax reads the rest from SLURM
+    ],
+)
+def test_distributed_options_from_flags_and_environment(train_lm, argv, env, expected):
+    assert _launch_args(train_lm, argv, env) == expected
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (  # the issue's launch: a coordinator and nothing else
+            ["--distributed"],
+            {"JAX_COORDINATOR_ADDRESS": "localhost:1234"},
+            "missing --num-processes (or JAX_NUM_PROCESSES), --process-id (or JAX_PROCESS_ID)",
+        ),
+        (["--distributed"], {}, "missing --coordinator-address (or JAX_COORDINATOR_ADDRESS)"),
+        (
+            ["--coordinator-address", "localhost", "--num-processes", "2", "--process-id", "0"],
+            {},
+            "--coordinator-address 'localhost' is not HOST:PORT",
+        ),
+        (
+            ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"],
+            {},
+            "--process-id 2 is outside 0..1",
+        ),
+        (
+            ["--coordinator-address", "h:1", "--process-id", "0"],
+            {"JAX_NUM_PROCESSES": "two"},
+            "JAX_NUM_PROCESSES='two' is not an integer",
+        ),
+    ],
+)
+def test_an_incomplete_launch_is_refused_before_jax_starts(train_lm, capsys, argv, env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _launch_args(train_lm, argv, env)
+    if not env:  # the command line itself: exit 2 with the message, no traceback
+        assert train_lm.main([*argv, "--workdir", "unused"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+
+
+def test_a_start_that_failed_before_its_first_checkpoint_does_not_block_a_retry(
+    train_lm, monkeypatch, capsys, tmp_path
+):
+    workdir = tmp_path / "w"
+    batch_at = train_lm.batch_at
+
+    def fail_at_the_first_step(tokens, step, cfg, seed):  # after the workdir is written
+        raise RuntimeError("the start fails here")
+
+    monkeypatch.setattr(train_lm, "batch_at", fail_at_the_first_step)
+    with pytest.raises(RuntimeError, match="the start fails here"):
+        _run(train_lm, "--workdir", workdir)
+    monkeypatch.setattr(train_lm, "batch_at", batch_at)
+    assert train_lm._previous_run(workdir) == ["config.json"]  # what the start left
+
+    # Another command is still refused: that config.json is not its run.
+    before = _snapshot(workdir)
+    code, _ = _run(train_lm, "--workdir", workdir, "--seed=1")
+    assert code == 2 and "already holds a run (config.json)" in capsys.readouterr().err
+    assert _snapshot(workdir) == before
+
+    # The same command starts again from step 0, and says why it may.
+    code, out = _run(train_lm, "--workdir", workdir, "--steps=4", "--schedule-steps=12")
+    assert code == 0
+    assert out.startswith(f"{workdir} holds what a start of this command left before its first")
+    assert _metrics(workdir)["resumed_from"] is None and train_lm.checkpoint_steps(workdir) == [4]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+# One process of the example with a given number of CPU devices (the test process has
+# eight: conftest.py) and no accelerator.
+def _example_env(devices: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    return {
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+
+
+def test_two_processes_train_as_one_process_with_two_devices(train_lm, tmp_path):
+    """The launch of docs/multihost.md on one machine: two processes started together
+    (the issue saw 4 of 6 such launches race on the workdir), one writer and one printer,
+    and the run of one process with two devices, bit for bit."""
+    port = _free_port()
+    workdir, reference = tmp_path / "two", tmp_path / "one"
+    command = [sys.executable, str(EXAMPLE), *TINY]
+    launch = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
+    processes = [
+        subprocess.Popen(
+            [*command, "--workdir", str(workdir), *launch, "--process-id", str(i)],
+            env=_example_env(1),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
+    single = subprocess.Popen(
+        [*command, "--workdir", str(reference)],
+        env=_example_env(2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    outputs = [p.communicate(timeout=600) for p in (*processes, single)]
+    for p, (_, err) in zip((*processes, single), outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    (first, _), (second, _), (alone, _) = outputs
+    assert "rmsnorm | step 12: train" in first and f"config:      {workdir}" in first
+    assert "nats/byte" not in second and str(workdir) not in second  # process 1 is quiet
+    assert sorted(p.name for p in workdir.iterdir()) == sorted(
+        ["checkpoints", "config.json", "metrics.json", "loss.png"]
+    )
+    assert train_lm.checkpoint_steps(workdir) == [8, 12]
+    two, one = _metrics(workdir), _metrics(reference)
+    assert (
+        (two["devices"], two["mesh"])
+        == (2, {"data": 2, "model": 1})
+        == (
+            one["devices"],
+            one["mesh"],
+        )
+    )
+    np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=SAME_RUN)
+    np.testing.assert_allclose(two["final_eval_loss"], one["final_eval_loss"], rtol=SAME_RUN)
+    assert alone.splitlines()[-4:] == [
+        line.replace(str(workdir), str(reference)) for line in first.splitlines()[-4:]
+    ]
