@@ -55,3 +55,62 @@ def test_tour_notebook_executes_anywhere_and_writes_only_to_a_temporary_director
         label, _, rest = line.partition(" | ")
         assert label.strip().split(",")[0] in ("rmsnorm", "prmsnorm", "layernorm"), line
         assert rest.startswith("step "), line
+
+
+def _requirement_names(requirements, extras=()):
+    """Distribution names of ``requirements`` that apply without extras or with ``extras``."""
+    from packaging.requirements import Requirement
+
+    names = set()
+    for text in requirements or ():
+        req = Requirement(text)
+        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
+            names.add((req.name.lower().replace("_", "-"), frozenset(req.extras)))
+    return names
+
+
+def test_notebook_extra_installs_every_library_the_notebook_imports():
+    """``pip install -e ".[notebook]"`` brings every module the notebook imports: each one is
+    in the standard library or in a distribution that the extra requires, directly or
+    through what that requires (read from the installed metadata)."""
+    import json
+    import re
+    import sys
+    import tomllib
+    from importlib import metadata
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert {"jupyterlab", "ipykernel"} <= {
+        name for name, _ in _requirement_names(extras["notebook"])
+    }
+    todo = _requirement_names(project["dependencies"] + extras["notebook"])
+    closure: set[str] = set()
+    while todo:
+        name, wanted = todo.pop()
+        if name == "rmsnorm-jax":
+            for extra in wanted:
+                todo |= _requirement_names(extras[extra])
+            continue
+        if name in closure:
+            continue
+        closure.add(name)
+        try:
+            todo |= _requirement_names(metadata.requires(name), wanted)
+        except metadata.PackageNotFoundError:
+            pass  # not installed here (jupyterlab): its own requirements are not needed below
+    nb = json.loads((ROOT / "notebooks" / "rmsnorm_tour.ipynb").read_text())
+    imported = {
+        match.group(1).split(".")[0]
+        for cell in nb["cells"]
+        if cell["cell_type"] == "code"
+        for line in "".join(cell["source"]).splitlines()
+        if (match := re.match(r"\s*(?:from|import)\s+([\w.]+)", line))
+    }
+    providers = metadata.packages_distributions()
+    missing = {
+        module: providers.get(module)
+        for module in imported - set(sys.stdlib_module_names) - {"rmsnorm_jax"}
+        if not {d.lower().replace("_", "-") for d in providers.get(module, ())} & closure
+    }
+    assert imported > {"jax", "flax", "matplotlib"} and not missing, missing
