@@ -9,13 +9,15 @@
 # The two environments install side by side, then the two test runs go side by side (each
 # is mostly one compiling thread); the job prints its duration. The environments live in
 # $RMSNORM_JAX_CLIENT_VENVS (default: a folder under $TMPDIR, outside the checkout) and
-# are made anew each run.
-#   .ci/clients.sh
+# are made anew each run. `install` or `test` runs only that half (.ci/run installs while
+# its first job tests, and tests after it).
+#   .ci/clients.sh [install|test]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 start=$SECONDS
 venvs=${RMSNORM_JAX_CLIENT_VENVS:-${TMPDIR:-/tmp}/rmsnorm_jax-clients}
+phase=${1:-all}
 elapsed() { echo "$(((SECONDS - start) / 60)) min $(((SECONDS - start) % 60)) s"; }
 
 # The client libraries, pinned (issue 33), and the versions pip resolved for them when
@@ -42,23 +44,26 @@ make_venv() {  # make_venv NAME PYTHON PACKAGE...
 'jax', jax.__version__, 'flax', flax.__version__)"
 }
 
-mkdir -p "$venvs"
-echo "=== installing into $venvs"
-make_venv tunix python3 "${TUNIX[@]}" > "$venvs/tunix-install.log" 2>&1 &
-tunix_install=$!
-PYENV_VERSION=3.12.1 make_venv gemma python3.12 "${GEMMA[@]}" > "$venvs/gemma-install.log" 2>&1 &
-gemma_install=$!
 status=0
-wait "$tunix_install" || status=$?
-tail -n 1 "$venvs/tunix-install.log"
-wait "$gemma_install" || status=$?
-tail -n 1 "$venvs/gemma-install.log"
-if [ "$status" != 0 ]; then
-  cat "$venvs/tunix-install.log" "$venvs/gemma-install.log"
-  echo "=== clients: an install failed (after $(elapsed))"
-  exit 1
+if [ "$phase" != test ]; then
+  mkdir -p "$venvs"
+  echo "=== installing into $venvs"
+  make_venv tunix python3 "${TUNIX[@]}" > "$venvs/tunix-install.log" 2>&1 &
+  tunix_install=$!
+  PYENV_VERSION=3.12.1 make_venv gemma python3.12 "${GEMMA[@]}" > "$venvs/gemma-install.log" 2>&1 &
+  gemma_install=$!
+  wait "$tunix_install" || status=$?
+  tail -n 1 "$venvs/tunix-install.log"
+  wait "$gemma_install" || status=$?
+  tail -n 1 "$venvs/gemma-install.log"
+  if [ "$status" != 0 ]; then
+    cat "$venvs/tunix-install.log" "$venvs/gemma-install.log"
+    echo "=== clients: an install failed (after $(elapsed))"
+    exit 1
+  fi
+  echo "=== installed (after $(elapsed))"
 fi
-echo "=== installed (after $(elapsed))"
+[ "$phase" = install ] && exit 0
 
 run_tests() {  # run_tests NAME TEST_FILE...
   local venv="$venvs/$1"

@@ -19,7 +19,7 @@ def test_tour_notebook_executes_anywhere_and_writes_only_to_a_temporary_director
     notebooks_before = sorted(path.parent.iterdir())
     # A fresh kernel: the notebook sets its own JAX_PLATFORMS and XLA_FLAGS before jax.
     NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(elsewhere)}}
+        nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(elsewhere)}}
     ).execute(env={**os.environ, "TMPDIR": str(temp)})
     errors = [
         o
