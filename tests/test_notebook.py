@@ -76,8 +76,9 @@ def test_notebook_extra_installs_every_library_the_notebook_imports():
     import json
     import re
     import sys
-    import tomllib
     from importlib import metadata
+
+    import tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
