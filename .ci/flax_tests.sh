@@ -3,7 +3,7 @@
 # under flax's own pytest settings (warnings are errors), for the flax installed in the
 # given virtual environment: its sdist's tests/ and pyproject.toml only, so the flax
 # under test is the installed one.
-#   .ci/flax_tests.sh VENV
+#   .ci/flax_tests.sh VENV [MODES]   (MODES: "classes patch", the default, or one of them)
 set -euo pipefail
 venv=$(cd "$1" && pwd)
 ci=$(cd "$(dirname "$0")" && pwd)
@@ -14,7 +14,7 @@ trap 'rm -rf "$work"' EXIT
 tar -xzf "$work/flax-$version.tar.gz" -C "$work" \
   "flax-$version/pyproject.toml" "flax-$version/tests"
 cd "$work/flax-$version"
-for how in classes patch; do
+for how in ${2:-classes patch}; do
   echo "+ flax $version's tests, RMSNorm swapped ($how)"
   RMSNORM_JAX_SWAP=$how PYTHONPATH="$ci" JAX_PLATFORMS=cpu "$venv/bin/python" -m pytest \
     -n auto -p flax_swap -p no:cacheprovider \
