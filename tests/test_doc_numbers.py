@@ -88,6 +88,7 @@ def _cpu_speedups(files):
         ]
 
     return {
+        "flax": _span(ours_over(["flax RMSNorm"]), ".2f"),
         "all": _span(over_flax("rms_norm"), ".1f", "x to "),
         "bf16": _span(over_flax("rms_norm", ("bfloat16",)), ".1f", "x to "),
         "plain": _span(ours_over(["jnp + autodiff"]), ".2f"),
@@ -249,6 +250,65 @@ H200_GEMMA = f"{BENCH}/h200-8292fdf/h200-measured.json"
 H200_KERNELS = f"{BENCH}/h200-4ce9679/h200-measured.json"
 
 
+H200_FIRST = f"{BENCH}/h200-e634bc7/h200-measured.json"
+PEERS = ("flax RMSNorm", "jnp + autodiff", "flax LayerNorm")
+
+
+def _h200_glance(files):
+    """The README's "At a glance" rows measured on the H200: ``rms_norm`` over flax
+    RMSNorm, over the plain formula under autodiff, and over the best of those and flax
+    LayerNorm, as ranges over the shapes (ops) or the four train steps (step)."""
+    (saved,) = files
+    out = {}
+    ops = [r for r in saved["sections"]["ops"]["results"] if r.get("status") == "ok"]
+    median = {
+        (r["size_mib"], r["features"], r["dtype"], r["kind"], r["impl"]): r["median_s"] for r in ops
+    }
+    shapes = sorted({key[:3] for key in median})
+    for kind, dtypes, name in (
+        ("fwd", ("bfloat16",), "fwd_bf16"),
+        ("fwd", ("float32",), "fwd_f32"),
+        ("fwd+bwd", ("bfloat16", "float32"), "fb"),
+    ):
+        ratios = {"flax": [], "plain": [], "best": []}
+        for shape in (s for s in shapes if s[2] in dtypes):
+            ours = median[(*shape, kind, "rms_norm")]
+            peers = [median[(*shape, kind, peer)] for peer in PEERS]
+            ratios["flax"].append(ours / peers[0])
+            ratios["plain"].append(ours / peers[1])
+            ratios["best"].append(ours / min(peers))
+        for peer, values in ratios.items():
+            out[f"{name}_{peer}"] = _span(values, ".2f")
+        if name == "fwd_bf16":
+            out["faster"] = _span([1 / v for v in ratios["flax"]], ".1f")
+    step = {(r["mlp"], r["dtype"], r["norm"]): r for r in saved["sections"]["step"]["results"]}
+    configs = sorted({key[:2] for key in step})
+    assert len(configs) == 4  # SwiGLU and gelu, bfloat16 and float32
+    times = {"flax": [], "plain": [], "best": []}
+    for config in configs:
+        ours = step[(*config, "rms_norm")]["median_s"]
+        peers = [step[(*config, peer)]["median_s"] for peer in PEERS]
+        times["flax"].append(ours / peers[0])
+        times["plain"].append(ours / peers[1])
+        times["best"].append(ours / min(peers))
+    for peer, values in times.items():
+        out[f"step_{peer}"] = _span(values, ".2f")
+    out["spread"] = format(
+        100
+        * max(
+            step[(*config, norm)]["max_s"] / step[(*config, norm)]["min_s"] - 1
+            for config in configs
+            for norm in ("rms_norm", *PEERS)
+        ),
+        ".0f",
+    )
+    temp = {norm: step[("swiglu", "bfloat16", norm)]["temp_bytes"] for norm in ("rms_norm", *PEERS)}
+    out["mem_flax"] = f"{temp['rms_norm'] / temp[PEERS[0]]:.2f}"
+    out["mem_plain"] = f"{temp['rms_norm'] / temp[PEERS[1]]:.2f}"
+    out["mem_best"] = f"{temp['rms_norm'] / min(temp[p] for p in PEERS):.2f}"
+    return out
+
+
 def _h200_gemma(files):
     """The Gemma-3-style step under ``scan``: rms_norm over Gemma's own norm."""
     (saved,) = files
@@ -284,6 +344,55 @@ def _h200_kernels(files):
 EXAMPLE_RUNS = (f"{EXAMPLE}/default-*.json", f"{EXAMPLE}/compare-*.json")
 
 CLAIMS = [
+    Claim(
+        "README.md",
+        "| forward+backward, XLA:CPU | **{flax}x** | **{plain}x** | **{best}x** | 2-core CPU, "
+        "measured: [CPU](docs/cpu.md) |",
+        (f"{BENCH}/results.json",),
+        _cpu_speedups,
+    ),
+    Claim(
+        "README.md",
+        "| train-step memory, layers under `scan` or remat | **{mem_flax}x** | **{mem_plain}x** "
+        "| **{mem_best}x** | H200, measured¹: compiled temp, SwiGLU bf16 |",
+        (H200_FIRST,),
+        _h200_glance,
+    ),
+    Claim(
+        "README.md",
+        "| forward time, bfloat16 | **{fwd_bf16_flax}x** ({faster}x faster) | {fwd_bf16_plain}x "
+        "| {fwd_bf16_best}x (the plain formula) | H200, measured¹ |",
+        (H200_FIRST,),
+        _h200_glance,
+    ),
+    Claim(
+        "README.md",
+        "| forward time, float32 | {fwd_f32_flax}x | {fwd_f32_plain}x | {fwd_f32_best}x "
+        "| H200, measured¹ |",
+        (H200_FIRST,),
+        _h200_glance,
+    ),
+    Claim(
+        "README.md",
+        "| forward+backward time | **{fb_flax}x** | **{fb_plain}x** | **{fb_best}x** "
+        "| H200, measured¹;",
+        (H200_FIRST,),
+        _h200_glance,
+    ),
+    Claim(
+        "README.md",
+        "| whole train step time | {step_flax}x | {step_plain}x | {step_best}x "
+        "| H200, measured¹: within the rounds' spread³ |",
+        (H200_FIRST,),
+        _h200_glance,
+    ),
+    Claim(
+        "README.md",
+        "³ 3 rounds of 2 iterations: a program's fastest and slowest iterations lie up to "
+        "{spread} % apart there.",
+        (H200_FIRST,),
+        _h200_glance,
+    ),
     Claim(
         "README.md",
         "| Gemma-3-style train step under `scan`, vs Gemma's own norm | time **{time}x**, "
