@@ -309,6 +309,26 @@ def _h200_glance(files):
     return out
 
 
+def _tpu_glance(files):
+    """The README's TPU row: forward+backward estimates of ``rms_norm`` over flax RMSNorm,
+    the plain formula and the best peer, over every shape of TPU v5e and v6e."""
+    ratios = {"flax": [], "plain": [], "best_bfloat16": [], "best_float32": []}
+    for saved in files:
+        est = {
+            (r["impl"], r["rows"], r["features"], r["dtype"]): r["fwd_bwd"]
+            for r in saved["results"]
+        }
+        for impl, rows, features, dtype in est:
+            if impl != "rms_norm":
+                continue
+            ours = est[(impl, rows, features, dtype)]
+            peers = [est[(p, rows, features, dtype)] for p in PEERS]
+            ratios["flax"].append(ours / peers[0])
+            ratios["plain"].append(ours / peers[1])
+            ratios[f"best_{dtype}"].append(ours / min(peers))
+    return {name: _span(values, ".2f") for name, values in ratios.items()}
+
+
 def _h200_gemma(files):
     """The Gemma-3-style step under ``scan``: rms_norm over Gemma's own norm."""
     (saved,) = files
@@ -344,6 +364,13 @@ def _h200_kernels(files):
 EXAMPLE_RUNS = (f"{EXAMPLE}/default-*.json", f"{EXAMPLE}/compare-*.json")
 
 CLAIMS = [
+    Claim(
+        "README.md",
+        "| forward+backward, TPU v5e/v6e | *{flax}x* | *{plain}x* | *{best_bfloat16}x* bf16; "
+        "*{best_float32}x* f32⁴ | *estimate*: [estimates](docs/estimates.md) |",
+        (f"{BENCH}/tpu-v5e_2x2.json", f"{BENCH}/tpu-v6e_2x2.json"),
+        _tpu_glance,
+    ),
     Claim(
         "README.md",
         "| forward+backward, XLA:CPU | **{flax}x** | **{plain}x** | **{best}x** | 2-core CPU, "
