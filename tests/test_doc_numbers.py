@@ -254,16 +254,23 @@ H200_FIRST = f"{BENCH}/h200-e634bc7/h200-measured.json"
 PEERS = ("flax RMSNorm", "jnp + autodiff", "flax LayerNorm")
 
 
+def _ops_medians(saved) -> dict:
+    """``{(x MiB, features, dtype, kind, implementation): median seconds}`` of a device
+    report's ``ops`` section, for the programs that ran."""
+    return {
+        (r["size_mib"], r["features"], r["dtype"], r["kind"], r["impl"]): r["median_s"]
+        for r in saved["sections"]["ops"]["results"]
+        if r.get("status") == "ok"
+    }
+
+
 def _h200_glance(files):
     """The README's "At a glance" rows measured on the H200: ``rms_norm`` over flax
     RMSNorm, over the plain formula under autodiff, and over the best of those and flax
     LayerNorm, as ranges over the shapes (ops) or the four train steps (step)."""
     (saved,) = files
     out = {}
-    ops = [r for r in saved["sections"]["ops"]["results"] if r.get("status") == "ok"]
-    median = {
-        (r["size_mib"], r["features"], r["dtype"], r["kind"], r["impl"]): r["median_s"] for r in ops
-    }
+    median = _ops_medians(saved)
     shapes = sorted({key[:3] for key in median})
     for kind, dtypes, name in (
         ("fwd", ("bfloat16",), "fwd_bf16"),
@@ -357,15 +364,11 @@ def _h200_gemma(files):
 def _h200_kernels(files):
     """Forward+backward with ``implementation="pallas"`` over the XLA path, per op."""
     (saved,) = files
-    median = {
-        (r["size_mib"], r["features"], r["dtype"], r["impl"]): r["median_s"]
-        for r in saved["sections"]["ops"]["results"]
-        if r["kind"] == "fwd+bwd" and r.get("status") == "ok"
-    }
+    median = _ops_medians(saved)
     ratios = [
-        (impl.split()[0], n, t / median[(mib, n, dtype, impl.split()[0])])
-        for (mib, n, dtype, impl), t in median.items()
-        if impl.endswith("[pallas]")
+        (impl.split()[0], n, t / median[(mib, n, dtype, kind, impl.split()[0])])
+        for (mib, n, dtype, kind, impl), t in median.items()
+        if kind == "fwd+bwd" and impl.endswith("[pallas]")
     ]
     assert len(ratios) == 2 * 2 * 2 * 4  # two ops, two sizes, two dtypes, four widths
     rms = [r for op, n, r in ratios if op == "rms_norm" and n <= 5120]
