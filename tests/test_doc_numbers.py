@@ -366,9 +366,7 @@ def _h200_gemma_memory(files):
     """The README's unrolled row and footnote 2: compiled temp of the Gemma-3-style step,
     unrolled and under ``scan``, ours over each peer's (the first H200 run)."""
     (saved,) = files
-    temp = {
-        (r["mode"], r["norm"]): r["temp_bytes"] for r in saved["sections"]["gemma"]["results"]
-    }
+    temp = {(r["mode"], r["norm"]): r["temp_bytes"] for r in saved["sections"]["gemma"]["results"]}
     peers = ("flax nnx RMSNorm", "jnp + autodiff", "flax linen RMSNorm")
 
     def ours_over(mode, *norms):
@@ -382,6 +380,62 @@ def _h200_gemma_memory(files):
         "s_flax": ours_over("scan", peers[0]),
         "s_gemma": ours_over("scan", "gemma's own"),
         "s_floor": f"{temp[('scan', 'x * (1 + scale) (floor)')] / temp[('scan', 'rms_norm')]:.2f}",
+    }
+
+
+STACK_TARGETS = tuple(f"{BENCH}/{t}.json" for t in ("h100", "tpu-v5e_2x2", "tpu-v6e_2x2"))
+
+
+def _stack_memory_table(files):
+    """docs/memory.md's table: the pre-norm stack's temp memory per MLP and target."""
+    mlps = (("relu", "relu, 4x"), ("gelu", "gelu (tanh), 4x"), ("swiglu", "SwiGLU, 8/3x"))
+    lines = [
+        "| MLP | norm | H100 (MiB) | vs flax | TPU v5e (MiB) | vs flax | TPU v6e (MiB) | vs flax |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mlp, label in mlps:
+        for i, norm in enumerate(("rms_norm", "flax RMSNorm", "x * scale (floor)")):
+            cells = [label if i == 0 else "", norm]
+            for saved in files:
+                row = next(r for r in saved["memory"] if (r["mlp"], r["norm"]) == (mlp, norm))
+                fits = "" if row["fits"] else "*"
+                cells += [f"{round(row['temp_bytes'] / 2**20):,}{fits}", f"{row['vs_flax']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return {"table": "\n".join(lines)}
+
+
+def _stack_memory(files):
+    """docs/memory.md's reading of that table: bytes(x) is 16k tokens x 2048 bfloat16, and
+    the step has 17 norms (two per block of 8, and the final one)."""
+    x_bytes, norms, mlps = 16384 * 2048 * 2, 17, ("relu", "gelu", "swiglu")
+    temp = {(f["target"], r["mlp"], r["norm"]): r["temp_bytes"] for f in files for r in f["memory"]}
+    cases = [(f["target"], mlp) for f in files for mlp in mlps]
+
+    def ours_over(norm, t, mlp):
+        return temp[(t, mlp, "rms_norm")] / temp[(t, mlp, norm)]
+
+    flax_minus_ours = [
+        temp[(*c[:1], c[1], "flax RMSNorm")] - temp[(*c[:1], c[1], "rms_norm")] for c in cases
+    ]
+    above = [temp[(t, m, "rms_norm")] - temp[(t, m, "x * scale (floor)")] for t, m in cases]
+    v5e = files[1]["target"]
+    return {
+        "per_norm": _span([d / x_bytes / norms for d in flax_minus_ours], ".1f"),
+        "above": f"{max(above) / x_bytes:.0f}",
+        "above_pct": f"{100 * max(ours_over('x * scale (floor)', *c) - 1 for c in cases):.0f}",
+        **{
+            mlp: _span([ours_over("flax RMSNorm", f["target"], mlp) for f in files], ".2f")
+            for mlp in mlps
+        },
+        **{
+            key: f"{temp[(v5e, 'swiglu', norm)] / 2**30:.1f}"
+            for key, norm in (
+                ("ours", "rms_norm"),
+                ("flax", "flax RMSNorm"),
+                ("ln", "flax LayerNorm"),
+            )
+        },
+        "add": f"{100 * max(abs(1 / ours_over('add_rms_norm', *c) - 1) for c in cases):.0f}",
     }
 
 
@@ -442,9 +496,8 @@ CLAIMS = [
     Claim(
         "README.md",
         "unrolled, ours needs {u_gemma}x the compiled temp of Gemma's own norm; under `scan`, "
-        "{s_flax}x flax nnx RMSNorm's and {s_gemma}x Gemma's own. Under `scan` that is all a "
-        "norm can save: ours keeps one float32 per row more than `x * (1 + scale)`, the floor "
-        "({s_floor}x ours)",
+        "{s_flax}x flax nnx RMSNorm's and {s_gemma}x Gemma's own. Under `scan` that is nearly "
+        "all a norm can save: the floor, `x * (1 + scale)`, needs {s_floor}x ours",
         (H200_FIRST_GEMMA,),
         _h200_gemma_memory,
     ),
@@ -565,6 +618,25 @@ CLAIMS = [
         "{table}",
         (f"{EXAMPLE}/compile-for-*.json",),
         _compile_for,
+    ),
+    Claim("docs/memory.md", "{table}", STACK_TARGETS, _stack_memory_table),
+    Claim(
+        "docs/memory.md",
+        "the temporaries differ by {per_norm}x bytes(x) for each of the 17 norms, and ours are "
+        "at the floor (at most {above}x bytes(x) above it for the whole step, {above_pct} %; "
+        "below it on H100). What the ratio to flax's step comes to depends on what the rest of "
+        "the block keeps: {relu} with a relu MLP, {swiglu} with SwiGLU, {gelu} with the tanh gelu",
+        STACK_TARGETS,
+        _stack_memory,
+    ),
+    Claim(
+        "docs/memory.md",
+        "On a 16 GiB TPU v5e the SwiGLU step fits with our norm ({ours} GiB of temporaries) and "
+        "does not with flax's RMSNorm or LayerNorm ({flax} and {ln} GiB). `add_rms_norm` (every "
+        "residual add fused into the next norm) needs what the unfused `rms_norm` step needs "
+        "(within {add} %).",
+        STACK_TARGETS,
+        _stack_memory,
     ),
     Claim(
         "docs/cpu.md",
