@@ -756,3 +756,19 @@ def test_a_wrong_number_fails():
     changed = [rows[0], rows[1], rows[2].replace("|", "| 9", 1), *rows[3:]]
     with pytest.raises(AssertionError, match="rows not in"):
         test_table_rows_are_rows_of_their_results_file(page, line, source, changed)
+
+
+def test_every_at_a_glance_row_reads_back():
+    """No row of the README's table of figures escapes the claims: each row with a number
+    holds the text of one of the README's claims up to its first number."""
+    readme = (ROOT / "README.md").read_text()
+    glance = readme[readme.index("## At a glance") : readme.index("## Quickstart")]
+    starts = [c.text.split("{")[0] for c in CLAIMS if c.page == "README.md"]
+    rows = [
+        line
+        for line in glance.splitlines()
+        if line.startswith("| ") and re.search(r"\d", line) and not line.startswith("|---")
+    ]
+    assert len(rows) >= 10
+    unclaimed = [row for row in rows if not any(s in row for s in starts if s)]
+    assert not unclaimed, unclaimed
