@@ -66,10 +66,13 @@ fi
 [ "$phase" = install ] && exit 0
 
 run_tests() {  # run_tests NAME TEST_FILE...
-  local venv="$venvs/$1"
+  local venv="$venvs/$1" record="$venvs/$1-record.jsonl"
   shift
-  # -s: the tests print their float32 and bfloat16 differences against the library's own.
-  JAX_PLATFORMS=cpu "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@"
+  rm -f "$record"
+  # -s: the tests print their float32 and bfloat16 differences against the library's own,
+  # and append them to $record (.ci/clients_tables.py makes docs/results/clients-tests.md).
+  RMSNORM_JAX_CLIENT_RECORD="$record" JAX_PLATFORMS=cpu \
+    "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@"
 }
 run_tests tunix tests/test_clients_tunix.py tests/test_clients_equinox.py \
   > "$venvs/tunix-tests.log" 2>&1 &
@@ -82,5 +85,7 @@ echo "=== google-tunix 0.1.7, equinox 0.13.8"
 cat "$venvs/tunix-tests.log"
 echo "=== gemma 4.0.1"
 cat "$venvs/gemma-tests.log"
+echo "=== the differences (python .ci/clients_tables.py tests RECORDS > docs/results/clients-tests.md)"
+python3 .ci/clients_tables.py tests "$venvs"/*-record.jsonl || status=$?
 echo "=== clients: $([ "$status" = 0 ] && echo passed || echo FAILED) in $(elapsed) (CPU time: $(times | tail -n 1))"
 exit "$status"

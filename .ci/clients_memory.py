@@ -20,9 +20,12 @@ fewer layers and a 32k vocabulary so that a compile fits this machine; batch 4 x
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
+import re
+import subprocess
 import sys
 import time
 import warnings
@@ -38,6 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from rmsnorm_jax import aot, integrations  # noqa: E402
 
 BATCH, LENGTH, VOCAB = 4, 512, 32768
+LAYERS: dict[str, int] = {}  # --layers: a model's layer count, in place of its default
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -52,7 +56,7 @@ def _tunix(name: str, dtype, remat: str):
         from tunix.models.gemma3 import model as m
 
         cfg = m.ModelConfig(
-            num_layers=6,
+            num_layers=LAYERS.get(name, 6),
             num_embed=VOCAB,
             embed_dim=640,
             hidden_dim=2048,
@@ -68,7 +72,7 @@ def _tunix(name: str, dtype, remat: str):
         from tunix.models.llama3 import model as m
 
         cfg = m.ModelConfig(
-            num_layers=4,
+            num_layers=LAYERS.get(name, 4),
             vocab_size=VOCAB,
             embed_dim=2048,
             hidden_dim=8192,
@@ -84,7 +88,7 @@ def _tunix(name: str, dtype, remat: str):
         from tunix.models.qwen3 import model as m
 
         cfg = m.ModelConfig(
-            num_layers=6,
+            num_layers=LAYERS.get(name, 6),
             vocab_size=VOCAB,
             embed_dim=1024,
             hidden_dim=3072,
@@ -220,8 +224,28 @@ LIBRARIES = {
 # ---------------------------------------------------------------- compiling
 
 
-def temp_bytes(build, patch, config, target) -> tuple[int, int]:
-    """(the library's norm, ours): temp bytes of the compiled value_and_grad step."""
+def activation_buffers(hlo: str) -> collections.Counter:
+    """Per shape ``[BATCH, LENGTH, d]`` (any dtype), how many instructions of the compiled
+    program's entry computation write a new buffer of it (aliases, parameters and
+    constants aside; a tuple-valued instruction counts once per such element)."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    found = collections.Counter()
+    for line in entry[: entry.index("\n}\n")].splitlines()[1:]:
+        match = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) ([a-z][\w\-]*)\(", line)
+        if not match or match.group(2) in ALIASES:
+            continue
+        for dtype, dims in re.findall(r"\b([a-z]+\d+)\[([\d,]+)\]", match.group(1)):
+            if dims.startswith(f"{BATCH},{LENGTH},") and dims.count(",") == 2:
+                found[f"{dtype}[{dims}]"] += 1
+    return found
+
+
+ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant"}
+
+
+def temp_bytes(build, patch, config, target, buffers=None) -> tuple[int, int]:
+    """(the library's norm, ours): temp bytes of the compiled value_and_grad step. With a
+    list as ``buffers``, each program's ``activation_buffers`` are appended to it."""
     # One device of the target (TPU v5e: one chip of the 2x2 slice): one device's program.
     mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("devices",))
     result = []
@@ -241,6 +265,8 @@ def temp_bytes(build, patch, config, target) -> tuple[int, int]:
             )
             compiled = target.compile(jax.jit(jax.value_and_grad(loss)), *args)
             result.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            if buffers is not None:
+                buffers.append(activation_buffers(compiled.as_text()))
             if patched:
                 assert context.calls > 0, repr(context)  # the model was reached
         finally:
@@ -253,18 +279,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("library", choices=sorted(LIBRARIES))
     parser.add_argument("--targets", default="cpu,h100,tpu-v5e")
-    parser.add_argument("--only", default="", help="comma-separated model names")
+    parser.add_argument(
+        "--only", default="", help="comma-separated model names, or model:REMAT (qwen3:DECODER)"
+    )
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--layers", type=int, default=0, help="the tunix models' layer count (default: theirs)"
+    )
+    parser.add_argument("--merge", help="a results file whose other rows --out keeps")
+    parser.add_argument(
+        "--buffers",
+        action="store_true",
+        help="record how many activation-shaped buffers each program writes",
+    )
     args = parser.parse_args()
     build, patch, configs = LIBRARIES[args.library]
     if args.only:
-        configs = [c for c in configs if c[0] in args.only.split(",")]
+        wanted = args.only.split(",")
+        configs = [c for c in configs if c[0] in wanted or f"{c[0]}:{c[2]}" in wanted]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    provenance = {
+        "command": " ".join(["python", ".ci/clients_memory.py", *sys.argv[1:]]),
+        "commit": commit,
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+    }
     rows = []
     for name in args.targets.split(","):
         target = aot.get_target(name)
         for config in configs:
             start = time.time()
-            theirs, ours = temp_bytes(build, patch, config, target)
+            if args.layers:
+                LAYERS[config[0]] = args.layers
+            buffers = [] if args.buffers else None
+            theirs, ours = temp_bytes(build, patch, config, target, buffers)
             row = {
                 "library": args.library,
                 "model": config[0],
@@ -274,19 +324,25 @@ def main() -> None:
                 "theirs_MiB": round(theirs / 2**20, 1),
                 "ours_MiB": round(ours / 2**20, 1),
                 "ratio": round(ours / theirs, 3),
+                **({"layers": args.layers} if args.layers else {}),
+                **({"buffers_theirs": buffers[0], "buffers_ours": buffers[1]} if buffers else {}),
+                **provenance,
             }
             rows.append(row)
             print(json.dumps(row), f"({time.time() - start:.0f} s)", flush=True)
-    meta = {
-        "command": " ".join(["python", ".ci/clients_memory.py", *sys.argv[1:]]),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "batch": [BATCH, LENGTH],
-        "vocab": VOCAB,
-    }
+    meta = {"batch": [BATCH, LENGTH], "vocab": VOCAB}
+    if args.merge:  # the rows of another run, less those this run measured again
+        with open(args.merge) as f:
+            kept = [r for r in json.load(f)["rows"] if _key(r) not in {_key(r) for r in rows}]
+        rows = kept + rows
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
         f.write("\n")
+
+
+def _key(row: dict) -> tuple:
+    """What a row measures: the same key in two runs is the same measurement."""
+    return tuple(row.get(k) for k in ("library", "model", "dtype", "remat", "target", "layers"))
 
 
 if __name__ == "__main__":

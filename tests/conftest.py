@@ -18,7 +18,9 @@ installed (``helpers.aot_target``, ``helpers.requires_deviceless``).
 
 import glob
 import importlib.util
+import json
 import os
+import platform
 import re
 import shutil
 
@@ -74,3 +76,25 @@ def x64():
     """Float64 for the oracle, for the duration of one test."""
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture
+def client_record():
+    """``record(library=..., family=..., **numbers)``: a client-library test's measured
+    differences, printed (``pytest -s`` shows them) and, where ``$RMSNORM_JAX_CLIENT_RECORD``
+    names a file (``.ci/clients.sh`` sets it), appended to it as a JSON line, from which
+    ``.ci/clients_tables.py tests`` writes ``docs/results/clients-tests.md``."""
+
+    def record(**row):
+        print(
+            ", ".join(
+                f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
+            )
+        )
+        path = os.environ.get("RMSNORM_JAX_CLIENT_RECORD")
+        if path:
+            row |= {"python": platform.python_version(), "jax": jax.__version__}
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    return record

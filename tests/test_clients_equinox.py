@@ -122,7 +122,7 @@ def _restore():
     integrations.unpatch_equinox()
 
 
-def test_float32_logits_and_gradients_are_equinoxs():
+def test_float32_logits_and_gradients_are_equinoxs(client_record):
     model = build()
     before = [np.asarray(a).copy() for a in arrays(model)]
     (loss0, logits0), grads0 = loss_and_grads(model)  # traced before the patch
@@ -139,7 +139,9 @@ def test_float32_logits_and_gradients_are_equinoxs():
         assert grad_rel(g1, g0, largest) <= F32_RTOL
     pairs = zip(arrays(grads0), arrays(grads1), strict=True)
     worst = max(grad_rel(g1, g0, largest) for g0, g1 in pairs)
-    print(f"equinox float32: logits {rel(logits1, logits0):.3g}, gradients {worst:.3g}")
+    client_record(
+        library="equinox", family="LM", f32_logits=rel(logits1, logits0), f32_gradients=worst
+    )
     for a, b in zip(arrays(model), before, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -150,7 +152,7 @@ def test_float32_logits_and_gradients_are_equinoxs():
         np.testing.assert_array_equal(g2, g0)
 
 
-def test_bfloat16_as_near_float32_as_equinoxs():
+def test_bfloat16_as_near_float32_as_equinoxs(client_record):
     model32 = build()
     model16 = build(BF16)
     reference = jax.tree.map(
@@ -163,7 +165,7 @@ def test_bfloat16_as_near_float32_as_equinoxs():
         assert patch.calls == count_norms(model16)
     assert ours.dtype == theirs.dtype == BF16
     l2 = lambda y: float(jnp.linalg.norm(y.astype(F32) - logits32) / jnp.linalg.norm(logits32))
-    print(f"equinox bfloat16 logits vs float32: ours {l2(ours):.4g}, equinox's {l2(theirs):.4g}")
+    client_record(library="equinox", family="LM", bf16_ours=l2(ours), bf16_theirs=l2(theirs))
     assert l2(ours) <= 1.1 * l2(theirs) + 1e-3
     del model32
 

@@ -145,7 +145,7 @@ def _restore():
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
-def test_float32_logits_and_gradients_are_gemmas(family):
+def test_float32_logits_and_gradients_are_gemmas(family, client_record):
     model = build(family)
     params = params_of(model, family)
     init0 = model.init(jax.random.key(0), TOKENS)["params"]
@@ -165,7 +165,9 @@ def test_float32_logits_and_gradients_are_gemmas(family):
         difference = grad_rel(g1, g0, largest)
         assert difference <= F32_RTOL, (jax.tree_util.keystr(path), difference)
     worst = max(grad_rel(g1, g0, largest) for (_, g0), g1 in zip(flat0, flat1, strict=True))
-    print(f"{family} float32: logits {rel(logits1, logits0):.3g}, gradients {worst:.3g}")
+    client_record(
+        library="gemma", family=family, f32_logits=rel(logits1, logits0), f32_gradients=worst
+    )
 
     # init under the patch: the same tree, shapes, dtypes and values (checkpoints load).
     fresh = model.init(jax.random.key(0), TOKENS)["params"]
@@ -195,7 +197,7 @@ def test_the_nn_jit_cache_follows_the_patch():
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])
-def test_bfloat16_as_near_float32_as_gemmas(family):
+def test_bfloat16_as_near_float32_as_gemmas(family, client_record):
     model16 = build(family, BF16)
     params16 = jax.tree.map(lambda a: a.astype(BF16), params_of(build(family), family))
     reference = logits(build(family), jax.tree.map(lambda a: a.astype(F32), params16))
@@ -205,7 +207,7 @@ def test_bfloat16_as_near_float32_as_gemmas(family):
         assert patch.calls > 0
     assert ours.dtype == theirs.dtype
     err_ours, err_theirs = rel_l2(ours, reference), rel_l2(theirs, reference)
-    print(f"{family} bfloat16 logits vs float32: ours {err_ours:.4g}, gemma's {err_theirs:.4g}")
+    client_record(library="gemma", family=family, bf16_ours=err_ours, bf16_theirs=err_theirs)
     assert err_ours <= 1.1 * err_theirs + 1e-3, (err_ours, err_theirs)
 
 

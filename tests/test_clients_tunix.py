@@ -179,7 +179,7 @@ def _restore():
 
 
 @pytest.mark.parametrize("family", list(MODULES))
-def test_float32_logits_and_gradients_are_tunixs(family):
+def test_float32_logits_and_gradients_are_tunixs(family, client_record):
     model = build(family)
     before = signature(model)
     (loss0, logits0), grads0 = loss_and_grads(model)
@@ -201,7 +201,9 @@ def test_float32_logits_and_gradients_are_tunixs(family):
         difference = grad_rel(g1[...], g0[...], largest)
         assert difference <= F32_RTOL, (path, difference)
         worst = max(worst, difference)
-    print(f"{family} float32: logits {rel(logits1, logits0):.3g}, gradients {worst:.3g}")
+    client_record(
+        library="tunix", family=family, f32_logits=rel(logits1, logits0), f32_gradients=worst
+    )
 
     # The parameters are tunix's: untouched by the patched calls, and a model built under
     # the patch has the same tree and values (checkpoints load unchanged).
@@ -223,7 +225,7 @@ def logits_of(model):
 
 
 @pytest.mark.parametrize("family", list(MODULES))
-def test_bfloat16_logits_as_near_float32_as_tunixs(family):
+def test_bfloat16_logits_as_near_float32_as_tunixs(family, client_record):
     """The family's bfloat16 set-up, patched and not, against the float32 model on the
     same (bfloat16-rounded) parameters: ours keeps the output dtypes and is no farther
     from float32 arithmetic than tunix's own norm (it rounds once, where tunix's gemma
@@ -242,7 +244,7 @@ def test_bfloat16_logits_as_near_float32_as_tunixs(family):
         assert patch.calls == len(norms(model16)), repr(patch)
     assert ours.dtype == theirs.dtype
     err_ours, err_theirs = rel_l2(ours, logits32), rel_l2(theirs, logits32)
-    print(f"{family} bfloat16 logits vs float32: ours {err_ours:.4g}, tunix's {err_theirs:.4g}")
+    client_record(library="tunix", family=family, bf16_ours=err_ours, bf16_theirs=err_theirs)
     assert err_ours <= 1.1 * err_theirs + 1e-3, (err_ours, err_theirs)
 
 

@@ -1,0 +1,133 @@
+"""The client libraries' measured tables, as committed under docs/results/ (issue 33).
+
+``tests``: the differences the client-library tests measure. ``.ci/clients.sh test`` runs
+tests/test_clients_{tunix,equinox,gemma}.py with ``$RMSNORM_JAX_CLIENT_RECORD`` set; each
+test appends its numbers there as a JSON line (the ``client_record`` fixture of
+tests/conftest.py)::
+
+    python .ci/clients_tables.py tests RECORD.jsonl... > docs/results/clients-tests.md
+
+``memory``: the train-step temp memory of ``.ci/clients_memory.py``'s results file::
+
+    python .ci/clients_tables.py memory docs/results/clients-memory.json \\
+        > docs/results/clients-memory.md
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _commit() -> str:
+    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return run.stdout.strip()
+
+
+def tests(rows: list[dict]) -> str:
+    merged: dict[tuple[str, str], dict] = {}
+    for row in rows:
+        merged.setdefault((row["library"], row["family"]), {}).update(row)
+    versions = sorted({f"Python {r['python']} with jax {r['jax']}" for r in merged.values()})
+    lines = [
+        "# The client libraries' tests: ours against the library's own norm",
+        "",
+        f"Written by `.ci/clients.sh test` and `python .ci/clients_tables.py tests` at "
+        f"{_commit()} ({'; '.join(versions)}; XLA:CPU). float32: the largest difference of "
+        "the logits (and of every gradient) relative to the largest magnitude of the "
+        "unpatched model's; bfloat16: the relative L2 distance of the bfloat16 model's logits "
+        "from float32 arithmetic on the same parameters, patched (ours) and not (the "
+        "library's).",
+        "",
+        "| library | family | float32 logits | float32 gradients | bfloat16: ours "
+        "| bfloat16: the library's |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for (library, family), r in sorted(merged.items()):
+        cells = [
+            f"{r[key]:{fmt}}" if key in r else ""
+            for key, fmt in (
+                ("f32_logits", ".3g"),
+                ("f32_gradients", ".3g"),
+                ("bf16_ours", ".4g"),
+                ("bf16_theirs", ".4g"),
+            )
+        ]
+        lines.append(f"| {library} | {family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+TARGETS = {"cpu": "XLA:CPU", "h100": "H100", "tpu-v5e:2x2": "TPU v5e"}
+
+
+def memory(saved: dict) -> str:
+    rows = [r for r in saved["rows"] if "layers" not in r]
+    configs = list(dict.fromkeys((r["library"], r["model"], r["dtype"], r["remat"]) for r in rows))
+    cell = {(r["library"], r["model"], r["dtype"], r["remat"], r["target"]): r for r in rows}
+    provenance = sorted(
+        {f"{r['commit']} (Python {r['python']}, jax {r['jax']})" for r in rows if "commit" in r}
+    )
+    lines = [
+        "# The client libraries' train step: temp memory, ours over the library's own norm",
+        "",
+        "`temp_size_in_bytes` of `jax.jit(jax.value_and_grad(loss))` compiled with the "
+        "library's norm and under its patch, from `docs/results/clients-memory.json` (each row "
+        f"there holds its command), written at {', '.join(provenance)}. A cell: ours over "
+        "the library's (above 1: ours needs more) and, in parentheses, the library's MiB.",
+        "",
+        "| library, model | dtype | remat | " + " | ".join(TARGETS.values()) + " |",
+        "|---|---|---|" + "---:|" * len(TARGETS),
+    ]
+    for config in configs:
+        cells = []
+        for target in TARGETS:
+            r = cell.get((*config, target))
+            cells.append(f"{r['ratio']:.3f} ({r['theirs_MiB']:,.0f})" if r else "not measured")
+        library, model, dtype, remat = config
+        lines.append(
+            f"| {library} {model} | {dtype} | {remat.lower()} | " + " | ".join(cells) + " |"
+        )
+    layered = [r for r in saved["rows"] if "buffers_theirs" in r]
+    if layered:
+        shapes = sorted({s for r in layered for s in r["buffers_theirs"] | r["buffers_ours"]})
+        lines += [
+            "",
+            "By layer count, with the activation-shaped buffers each program writes "
+            "(`--buffers`: instructions of the entry computation that write a new "
+            "`[batch, length, d]` array, theirs / ours):",
+            "",
+            "| library, model | dtype | remat | layers | target | theirs MiB | ours MiB | ratio | "
+            + " | ".join(shapes)
+            + " |",
+            "|---|---|---|---:|---|---:|---:|---:|" + "---:|" * len(shapes),
+        ]
+        for r in layered:
+            counts = [
+                f"{r['buffers_theirs'].get(s, 0)} / {r['buffers_ours'].get(s, 0)}" for s in shapes
+            ]
+            lines.append(
+                f"| {r['library']} {r['model']} | {r['dtype']} | {r['remat'].lower()} | "
+                f"{r.get('layers', 'default')} | {TARGETS.get(r['target'], r['target'])} | "
+                f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['ratio']:.3f} | "
+                + " | ".join(counts)
+                + " |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    kind, paths = sys.argv[1], sys.argv[2:]
+    if kind == "tests":
+        rows = [json.loads(line) for path in paths for line in open(path) if line.strip()]
+        sys.stdout.write(tests(rows))
+    elif kind == "memory":
+        (path,) = paths
+        with open(path) as f:
+            sys.stdout.write(memory(json.load(f)))
+    else:
+        sys.exit(f"usage: {__doc__}")
+
+
+if __name__ == "__main__":
+    main()
