@@ -180,6 +180,25 @@ def test_float32_logits_and_gradients_are_gemmas(family, client_record):
     jax.tree.map(np.testing.assert_array_equal, grads2, grads0)
 
 
+def test_families_patches_those_and_leaves_the_others_gemmas():
+    from gemma.gm.nn import _layers
+    from gemma.gm.nn.gemma4 import _layers as gemma4_layers
+
+    own = (_layers.RMSNorm.__dict__["__call__"], gemma4_layers.RMSNorm.__dict__["__call__"])
+    model3, model4 = build("gemma3"), build("gemma4")
+    params3, params4 = params_of(model3, "gemma3"), params_of(model4, "gemma4")
+    with integrations.patch_gemma(families="gemma4") as patch:
+        assert patch.targets == ("gemma.gm.nn.gemma4._layers.RMSNorm.__call__",)
+        assert _layers.RMSNorm.__dict__["__call__"] is own[0]
+        logits(model3, params3)
+        assert patch.calls == 0, repr(patch)  # Gemma 3 keeps gemma's norm
+        logits(model4, params4)
+        assert patch.calls > 0, repr(patch)
+    assert gemma4_layers.RMSNorm.__dict__["__call__"] is own[1]
+    with pytest.raises(ValueError, match=r"names 'gemma5'.*'gemma3', 'gemma4'"):
+        integrations.patch_gemma(families=("gemma5",))
+
+
 def test_the_nn_jit_cache_follows_the_patch():
     """The issue's trap: gemma's ``Transformer.__call__`` is ``nn.jit`` with the model
     static, so a model that has run keeps its trace. Patching and undoing drop it."""

@@ -262,6 +262,27 @@ def test_patch_reaches_every_family_and_undoes():
     assert {f: m.RMSNorm.__dict__["__call__"] for f, m in MODULES.items()} == own
 
 
+def test_families_patches_those_and_leaves_the_others_tunixs():
+    own = {f: m.RMSNorm.__dict__["__call__"] for f, m in MODULES.items()}
+    with integrations.patch_tunix(families=("llama3", "qwen3")) as patch:
+        assert patch.targets == tuple(
+            f"{MODULES[f].__name__}.RMSNorm.__call__" for f in ("llama3", "qwen3")
+        )
+        changed = {f for f, m in MODULES.items() if m.RMSNorm.__dict__["__call__"] is not own[f]}
+        assert changed == {"llama3", "qwen3"}
+        logits_of(build("gemma3"))
+        assert patch.calls == 0, repr(patch)  # gemma3 keeps tunix's norm
+        model = build("llama3")
+        logits_of(model)
+        assert patch.calls == len(norms(model)), repr(patch)
+    assert {f: m.RMSNorm.__dict__["__call__"] for f, m in MODULES.items()} == own
+    with pytest.raises(ValueError, match=r"families=\('llama4',\) names 'llama4'.*'qwen3'"):
+        integrations.patch_tunix(families="llama4")
+    with pytest.raises(ValueError, match="names none"):
+        integrations.patch_tunix(families=())
+    assert {f: m.RMSNorm.__dict__["__call__"] for f, m in MODULES.items()} == own
+
+
 def _without_offset(original, implementation, hit):
     """What a hand-written patch of tunix gemma3 without ``scale_offset=1.0`` computes."""
     from rmsnorm_jax import rms_norm

@@ -18,7 +18,7 @@ class                            init   formula
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ from ._patch import (
     Swap,
     apply,
     check_implementation,
+    chosen,
     linen_cases,
     linen_method,
     real_floating,
@@ -134,6 +135,15 @@ _CLASSES: dict[str, tuple[Callable, dict[str, dict]]] = {
 }
 
 
+# The family names of ``patch_gemma(families=...)``, per module.
+_FAMILY = {
+    "gemma.gm.nn._layers": "gemma3",
+    "gemma.gm.nn.gemma4._layers": "gemma4",
+    "gemma.gm.nn.gemma4.vision._norms": "gemma4.vision",
+    "gemma.gm.nn.gemma3n._layers": "gemma3n",
+}
+
+
 def _probe(cls: type, variants: dict[str, dict]) -> Callable[[Callable], list[Case]]:
     def probe(method: Callable) -> list[Case]:
         cases = []
@@ -173,7 +183,9 @@ def _classes() -> dict[str, type]:
     return classes
 
 
-def patch_gemma(implementation: str = "auto") -> Patch:
+def patch_gemma(
+    implementation: str = "auto", *, families: str | Sequence[str] | None = None
+) -> Patch:
     r"""Routes every norm of Google DeepMind's ``gemma`` library through ``rms_norm``.
 
     Replaces ``RMSNorm.__call__`` of ``gemma.gm.nn._layers`` (Gemma 2 and 3),
@@ -208,6 +220,10 @@ def patch_gemma(implementation: str = "auto") -> Patch:
     Args:
       implementation: passed to ``rms_norm``: ``"auto"`` (default), ``"xla"`` or
         ``"pallas"``.
+      families: the classes to patch, by family: ``"gemma3"`` (``_layers``: Gemma 2 and
+        3), ``"gemma4"``, ``"gemma4.vision"``, ``"gemma3n"``; None (default): every one
+        this gemma has. The others keep gemma's norm, e.g. where a step measured more
+        memory with ours (docs/integrations.md).
 
     Returns:
       a :class:`Patch`: ``patch.calls`` counts the norm calls traced through it since
@@ -218,7 +234,7 @@ def patch_gemma(implementation: str = "auto") -> Patch:
       ImportError: gemma is not installed, or fails to import (the cause is named).
       RuntimeError: a class lacks what this patch reads, or differs from ``rms_norm`` on
         the probe (the message names the class, the case and the difference).
-      ValueError: an unknown ``implementation``.
+      ValueError: an unknown ``implementation``, or a family this gemma lacks.
 
     Example (needs gemma)::
 
@@ -231,9 +247,11 @@ def patch_gemma(implementation: str = "auto") -> Patch:
         assert patch.calls > 0, patch  # "reached nothing" otherwise
     """
     check_implementation(implementation)
+    by_family = {_FAMILY[name]: (name, cls) for name, cls in _classes().items()}
+    picked = chosen("patch_gemma()", {f: cls for f, (_, cls) in by_family.items()}, families)
     swaps = [
-        Swap(cls, _CLASSES[name][0], _probe(cls, _CLASSES[name][1]))
-        for name, cls in _classes().items()
+        Swap(cls, _CLASSES[by_family[f][0]][0], _probe(cls, _CLASSES[by_family[f][0]][1]))
+        for f, cls in picked.items()
     ]
     return apply("gemma", "patch_gemma()", swaps, implementation)
 

@@ -43,6 +43,25 @@ def check_implementation(implementation: str) -> None:
         )
 
 
+def chosen(function: str, available: dict[str, type], families: Any) -> dict[str, type]:
+    """``available`` (``{family: class}``) limited to ``families``, all of it where None.
+
+    A ValueError names a family this installation lacks, and the ones it has.
+    """
+    if families is None:
+        return available
+    names = (families,) if isinstance(families, str) else tuple(families)
+    unknown = [name for name in names if name not in available]
+    if unknown or not names:
+        raise ValueError(
+            f"{function}: families={names!r} "
+            + (f"names {', '.join(map(repr, unknown))}, which" if unknown else "names none that")
+            + f" this installation has; choose among {', '.join(map(repr, available))}, "
+            "or leave families=None for all."
+        )
+    return {name: available[name] for name in dict.fromkeys(names)}
+
+
 def param_value(param: Any) -> jax.Array:
     """The array of an NNX ``Param`` (or the array itself)."""
     if hasattr(param, "get_value"):

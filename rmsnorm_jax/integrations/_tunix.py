@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from ._patch import (
     Swap,
     apply,
     check_implementation,
+    chosen,
     nnx_cases,
     param_value,
     real_floating,
@@ -211,7 +212,9 @@ def _classes() -> dict[str, type]:
     return classes
 
 
-def patch_tunix(implementation: str = "auto") -> Patch:
+def patch_tunix(
+    implementation: str = "auto", *, families: str | Sequence[str] | None = None
+) -> Patch:
     r"""Routes the norm of every tunix model family through :func:`rmsnorm_jax.rms_norm`.
 
     Replaces ``RMSNorm.__call__`` in ``tunix.models.<family>.model`` for gemma, gemma3,
@@ -244,6 +247,10 @@ def patch_tunix(implementation: str = "auto") -> Patch:
     Args:
       implementation: passed to ``rms_norm``: ``"auto"`` (default), ``"xla"`` or
         ``"pallas"``.
+      families: the families to patch (``"gemma"``, ``"gemma3"``, ``"gemma4"``,
+        ``"llama3"``, ``"qwen2"``, ``"qwen3"``); None (default): every one this tunix has.
+        The others keep tunix's norm, e.g. where a step measured more memory with ours
+        (docs/integrations.md).
 
     Returns:
       a :class:`Patch`: ``patch.calls`` counts the norm calls traced through it since
@@ -255,7 +262,7 @@ def patch_tunix(implementation: str = "auto") -> Patch:
       ImportError: tunix is not installed, or a model module fails to import.
       RuntimeError: a class lacks what this patch reads, or differs from ``rms_norm`` on
         the probe (the message names the class, the case and the difference).
-      ValueError: an unknown ``implementation``.
+      ValueError: an unknown ``implementation``, or a family this tunix lacks.
 
     Example (needs google-tunix)::
 
@@ -270,7 +277,7 @@ def patch_tunix(implementation: str = "auto") -> Patch:
     check_implementation(implementation)
     swaps = [
         Swap(cls, _FAMILIES[family][0], _probe(cls, _FAMILIES[family][1]))
-        for family, cls in _classes().items()
+        for family, cls in chosen("patch_tunix()", _classes(), families).items()
     ]
     return apply("tunix", "patch_tunix()", swaps, implementation)
 
