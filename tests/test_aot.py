@@ -8,9 +8,7 @@ JAX_PLATFORMS=cpu is set by conftest.py before jax is imported on a machine with
 accelerator; elsewhere, or without the compilers, these tests skip (helpers.aot_target).
 """
 
-import importlib
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -23,15 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 import rmsnorm_jax
 import rmsnorm_jax.nnx
+from benchmarks import estimates, models, peers
 from rmsnorm_jax import aot, rms_norm
 from rmsnorm_jax._backends import row_groups, rows_per_group, two_stage_column_sum
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
-estimates = importlib.import_module("benchmarks.estimates")
-models = importlib.import_module("benchmarks.models")
-peers = importlib.import_module("benchmarks.peers")
 ACCELERATORS = ("tpu-v5e", "tpu-v6e", "h100")
 
 

@@ -6,7 +6,6 @@ is the compiler's); what a program keeps for its backward and its compiled memor
 kernels are properties of the program, so they are checked.
 """
 
-import importlib
 import json
 import os
 import re
@@ -17,14 +16,10 @@ from pathlib import Path
 import pytest
 from helpers import requires_deviceless
 
+import benchmarks.__main__ as cli
+from benchmarks import estimates, peers, report, timing
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
-cli = importlib.import_module("benchmarks.__main__")
-estimates = importlib.import_module("benchmarks.estimates")
-peers = importlib.import_module("benchmarks.peers")
-report = importlib.import_module("benchmarks.report")
-timing = importlib.import_module("benchmarks.timing")
 
 SMOKE = "smoke run: not a measurement"
 
@@ -183,7 +178,7 @@ def test_a_train_steps_own_peak_is_measured_in_a_process_of_its_own(capsys):
     """``benchmarks.peak`` builds the one program that ``step`` times and prints its peak
     as JSON (None on a CPU, which reports no memory stats); ``own_peaks`` runs such
     commands in processes of their own and says why one failed."""
-    peak = importlib.import_module("benchmarks.peak")
+    from benchmarks import peak
 
     assert (
         peak.main(
@@ -208,7 +203,8 @@ def test_the_kernel_table_in_the_docs_is_the_committed_run():
     """docs/kernels.md's kernels-against-XLA table is what ``benchmarks.kernel_table``
     prints from the committed results file it names (and "auto"'s column what
     ``kernels.MEASURED`` decides today)."""
-    kernel_table = importlib.import_module("benchmarks.kernel_table")
+    from benchmarks import kernel_table
+
     text = (ROOT / "docs" / "kernels.md").read_text()
     match = re.search(
         r"<!-- kernel-table: python -m benchmarks\.kernel_table (\S+) -->\n(.*?)\n"

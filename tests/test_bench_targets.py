@@ -7,22 +7,17 @@ leaving 0 bytes in HBM to compare with), GPU in test_bench.py (``h100``). Target
 a cost model are refused, naming why and what works for them.
 """
 
-import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import deviceless_skip_reason, requires_deviceless
 
+import benchmarks.__main__ as cli
+from benchmarks import estimates, report
 from rmsnorm_jax import aot
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
-cli = importlib.import_module("benchmarks.__main__")
-estimates = importlib.import_module("benchmarks.estimates")
-report = importlib.import_module("benchmarks.report")
 
 TPUS = [name for name in aot.target_names() if name.startswith("tpu")]
 WITHOUT_COST_MODEL = ("cpu", "a100")

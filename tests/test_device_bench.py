@@ -17,7 +17,6 @@ import json
 import math
 import re
 import statistics
-import sys
 import types
 from pathlib import Path
 
@@ -28,13 +27,10 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.mosaic.gpu import profiler
 
+import benchmarks.__main__ as cli
+from benchmarks import peers, report, timing
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
-cli = importlib.import_module("benchmarks.__main__")
-peers = importlib.import_module("benchmarks.peers")
-report = importlib.import_module("benchmarks.report")
-timing = importlib.import_module("benchmarks.timing")
 
 SMOKE = report.SMOKE
 GEMMA_NORMS = ("rms_norm", "gemma's own", peers.GEMMA_FLOOR)

@@ -392,16 +392,12 @@ def test_compiled_train_steps_unchanged_by_forward_mode(target_name):
     uniform step compile to the temp memory and kernel counts recorded before it."""
     if jax.__version__ != RECORDED_JAX:
         pytest.skip(f"recorded with jax {RECORDED_JAX}; this is jax {jax.__version__}")
-    import importlib
-    import sys
-    from pathlib import Path
 
     from helpers import aot_target
 
     target = aot_target(target_name)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    estimates = importlib.import_module("benchmarks.estimates")
-    models = importlib.import_module("benchmarks.models")
+    from benchmarks import estimates, models
+
     for mode in ("scan", "unrolled"):
         record, _ = estimates.gemma_step(target, models.SMALL, "rms_norm", mode, 2, 64)
         got = (record["temp_bytes"], record["kernels"])

@@ -8,8 +8,6 @@ The full size: ``python -m benchmarks gemma --target h100`` (or on a device, wit
 """
 
 import dataclasses
-import importlib
-import sys
 from pathlib import Path
 
 import jax
@@ -18,13 +16,10 @@ import numpy as np
 import pytest
 from helpers import assert_close, deviceless_skip_reason, tol
 
+import benchmarks.__main__ as cli
+from benchmarks import estimates, models, peers
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
-cli = importlib.import_module("benchmarks.__main__")
-estimates = importlib.import_module("benchmarks.estimates")
-models = importlib.import_module("benchmarks.models")
-peers = importlib.import_module("benchmarks.peers")
 EPS = 1e-6
 
 

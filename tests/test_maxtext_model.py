@@ -7,8 +7,6 @@ remat policy against none; and the ``maxtext --quick`` command line. The tables:
 """
 
 import dataclasses
-import importlib
-import sys
 from pathlib import Path
 
 import jax
@@ -19,12 +17,10 @@ import pytest
 from flax import nnx
 from helpers import assert_close, deviceless_skip_reason
 
+import benchmarks.__main__ as cli
+from benchmarks import models, peers
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # benchmarks/ is a package beside rmsnorm_jax/, not installed
-cli = importlib.import_module("benchmarks.__main__")
-models = importlib.import_module("benchmarks.models")
-peers = importlib.import_module("benchmarks.peers")
 
 TINY = models.MaxTextConfig(vocab=64, d=32, layers=2, heads=2, head_dim=16, hidden=64)
 F32 = dataclasses.replace(TINY, dtype=jnp.float32)
