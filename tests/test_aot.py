@@ -179,6 +179,31 @@ def test_cpu_keeps_its_barriers():
     assert aot.has_barrier(jax.jit(fb).lower(x, s, s, x))
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cpu_backward_keeps_no_full_size_copy(dtype, offset):
+    """XLA:CPU's backward needs a few float32 vectors of temporaries, no full-size array.
+
+    Each pass reads the scale through its own barrier: shared with the forward, the
+    broadcast ``scale + offset`` was a full-size float32 array that XLA:CPU kept from the
+    forward to the backward (bfloat16: 1 MiB here; in tunix's Gemma 3 step, 5 MiB per
+    norm and 1.134x the library's train-step memory, docs/integrations.md).
+    """
+    if not host_cpu_devices():
+        pytest.skip("needs the host CPU backend, left out by JAX_PLATFORMS")
+    on_cpu = jax.sharding.SingleDeviceSharding(host_cpu_devices()[0])
+    rows, n = 256, 1024
+    x = jax.ShapeDtypeStruct((rows, n), dtype, sharding=on_cpu)
+    s = jax.ShapeDtypeStruct((n,), jnp.float32, sharding=on_cpu)
+    dy = jax.ShapeDtypeStruct((rows, n), jnp.float32, sharding=on_cpu)
+
+    def backward(x, s, dy):
+        return jax.vjp(lambda x, s: rms_norm(x, s, scale_offset=offset), x, s)[1](dy)
+
+    temp = jax.jit(backward).lower(x, s, dy).compile().memory_analysis().temp_size_in_bytes
+    assert temp <= 4 * 4 * (rows + n), temp  # a few float32 rows or features, no x-size
+
+
 @pytest.mark.parametrize("features", [256, 1024, 4096, 5120, 8192])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_h100_forward_is_one_kernel(features, dtype):
