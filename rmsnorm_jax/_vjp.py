@@ -324,9 +324,10 @@ def backward_parts(cfg: NormConfig, x, scale, mask, row_stat, dy):
     # with its own dtype casts and broadcasts; without them XLA:CPU materialises
     # full-size float32 copies of x, dy and the inverse RMS shared by the passes
     # (measured: the backward 1.5x to 3.5x slower, worst for bfloat16 and wide rows).
-    # The scale goes through each barrier too: shared with the forward, XLA:CPU kept the
-    # broadcast ``scale + offset`` as a full-size float32 array from the forward to the
-    # backward (tests/test_aot.py::test_cpu_backward_keeps_no_full_size_copy).
+    # The scale and the row statistic go through the barriers too: shared with the
+    # forward, XLA:CPU kept their broadcasts (``scale + offset``, the inverse RMS) as
+    # full-size float32 arrays from the forward to the backward
+    # (tests/test_aot.py::test_cpu_backward_keeps_no_full_size_copy).
     # Other backends get no barrier (``_backends.cpu_barrier``).
     x_c, dy_c, scale_c = cpu_barrier((x, dy, scale))
     gdy_c = _scaled(cfg, dy_c.astype(cd), scale_c)
@@ -348,12 +349,12 @@ def backward_parts(cfg: NormConfig, x, scale, mask, row_stat, dy):
     x_factor = mean_term * alpha * inv_rms
     # The elementwise pass reads its own copies too, with the per-row factor: XLA:CPU
     # then stops converting all of x to float32 in memory for it (bfloat16: ~1.4x).
-    x_d, dy_d, x_factor, scale_d = cpu_barrier((x, dy, x_factor, scale))
+    x_d, dy_d, x_factor, scale_d, row_stat_d = cpu_barrier((x, dy, x_factor, scale, row_stat))
     correction = x_d.astype(cd) * x_factor
     membership = _membership(cfg, x.shape, mask)
     if membership is not None:
         correction = jnp.where(membership, correction, 0)
-    dx = inv_rms * _scaled(cfg, dy_d.astype(cd), scale_d) - correction
+    dx = _inv_rms(cfg, row_stat_d) * _scaled(cfg, dy_d.astype(cd), scale_d) - correction
 
     x_p, dy_p, row_stat_p = cpu_barrier((x, dy, row_stat))
     dy_pf = dy_p.astype(cd)
