@@ -31,6 +31,14 @@ import time
 import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# --live reads XLA:CPU's buffer assignment of each step, which XLA writes only where it
+# is told to dump before jax starts.
+DUMP = f"/tmp/clients_memory-{os.getpid()}" if "--live" in sys.argv else None
+if DUMP:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_loss"
+    )
 warnings.simplefilter("ignore", DeprecationWarning)
 
 import jax  # noqa: E402
@@ -240,12 +248,54 @@ def activation_buffers(hlo: str) -> collections.Counter:
     return found
 
 
+def live_peak() -> int:
+    """The most bytes of XLA:CPU's temporaries live at once in the newest dumped step.
+
+    From the buffer assignment (each temporary's size) and the scheduled program (where
+    each is defined and last used): the step's temp size less this is what the heap's
+    placement leaves unused between them.
+    """
+    stem = max(
+        (os.path.join(DUMP, f) for f in os.listdir(DUMP) if f.endswith("-buffer-assignment.txt")),
+        key=os.path.getmtime,
+    ).removesuffix("-buffer-assignment.txt")
+    sizes, temp = {}, False
+    for line in open(f"{stem}-buffer-assignment.txt"):
+        if line.startswith("allocation "):
+            temp = "preallocated-temp" in line
+        elif temp and (match := re.match(r"\s*value: <\d+ (\S+) @(\d+)> \(size=(\d+)", line)):
+            sizes[match.group(1), match.group(2)] = int(match.group(3))
+    hlo = open(f"{stem}.txt").read()
+    entry = hlo[hlo.index("\nENTRY") :]
+    order = {
+        m.group(1): i
+        for i, m in enumerate(
+            re.finditer(r"\n\s*(?:ROOT )?%(\S+) = ", entry[: entry.index("\n}\n")])
+        )
+    }
+    last, value, reading = {}, None, False
+    for line in open(f"{stem}-buffer-assignment-values.txt"):
+        if match := re.match(r"<\d+ (\S+) @(\d+)>", line):
+            value, reading = (match.group(1), match.group(2)), False
+        elif line.startswith((" uses:", " positions:")):
+            reading = True
+        elif line.startswith(" from instruction"):
+            reading = False
+        elif reading and value in sizes:
+            at = order.get(line.strip().split(",")[0])
+            if at is not None:
+                last[value] = max(last.get(value, -1), at)
+    spans = [(order[v[0]], last.get(v, order[v[0]]), n) for v, n in sizes.items() if v[0] in order]
+    return max(sum(n for s, e, n in spans if s <= at <= e) for at, _, _ in spans)
+
+
 ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant"}
 
 
-def temp_bytes(build, patch, config, target, buffers=None) -> tuple[int, int]:
+def temp_bytes(build, patch, config, target, buffers=None, live=None) -> tuple[int, int]:
     """(the library's norm, ours): temp bytes of the compiled value_and_grad step. With a
-    list as ``buffers``, each program's ``activation_buffers`` are appended to it."""
+    list as ``buffers``, each program's ``activation_buffers`` are appended to it; with a
+    list as ``live`` (XLA:CPU, ``--live``), each program's ``live_peak()``."""
     # One device of the target (TPU v5e: one chip of the 2x2 slice): one device's program.
     mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("devices",))
     result = []
@@ -267,6 +317,8 @@ def temp_bytes(build, patch, config, target, buffers=None) -> tuple[int, int]:
             result.append(int(compiled.memory_analysis().temp_size_in_bytes))
             if buffers is not None:
                 buffers.append(activation_buffers(compiled.as_text()))
+            if live is not None:
+                live.append(live_peak())
             if patched:
                 assert context.calls > 0, repr(context)  # the model was reached
         finally:
@@ -287,6 +339,11 @@ def main() -> None:
         "--layers", type=int, default=0, help="the tunix models' layer count (default: theirs)"
     )
     parser.add_argument("--merge", help="a results file whose other rows --out keeps")
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="XLA:CPU: record the most temporaries live at once (from the buffer assignment)",
+    )
     parser.add_argument(
         "--buffers",
         action="store_true",
@@ -314,7 +371,8 @@ def main() -> None:
             if args.layers:
                 LAYERS[config[0]] = args.layers
             buffers = [] if args.buffers else None
-            theirs, ours = temp_bytes(build, patch, config, target, buffers)
+            live = [] if args.live and target.name == "cpu" else None
+            theirs, ours = temp_bytes(build, patch, config, target, buffers, live)
             row = {
                 "library": args.library,
                 "model": config[0],
@@ -326,6 +384,14 @@ def main() -> None:
                 "ratio": round(ours / theirs, 3),
                 **({"layers": args.layers} if args.layers else {}),
                 **({"buffers_theirs": buffers[0], "buffers_ours": buffers[1]} if buffers else {}),
+                **(
+                    {
+                        "theirs_live_MiB": round(live[0] / 2**20, 1),
+                        "ours_live_MiB": round(live[1] / 2**20, 1),
+                    }
+                    if live
+                    else {}
+                ),
                 **provenance,
             }
             rows.append(row)
