@@ -88,6 +88,24 @@ def memory(saved: dict) -> str:
         lines.append(
             f"| {library} {model} | {dtype} | {remat.lower()} | " + " | ".join(cells) + " |"
         )
+    live = [r for r in rows if "theirs_live_MiB" in r]
+    if live:
+        lines += [
+            "",
+            "XLA:CPU (`--live`): the temp size against the most temporaries live at once "
+            "(from XLA's buffer assignment and the scheduled program); the difference is what "
+            "the heap's placement leaves unused between them.",
+            "",
+            "| library, model | dtype | remat | theirs MiB | ours MiB | theirs live MiB "
+            "| ours live MiB | ours live / theirs live |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in live:
+            lines.append(
+                f"| {r['library']} {r['model']} | {r['dtype']} | {r['remat'].lower()} | "
+                f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['theirs_live_MiB']:,.1f} | "
+                f"{r['ours_live_MiB']:,.1f} | {r['ours_live_MiB'] / r['theirs_live_MiB']:.3f} |"
+            )
     layered = [r for r in saved["rows"] if "buffers_theirs" in r]
     if layered:
         shapes = sorted({s for r in layered for s in r["buffers_theirs"] | r["buffers_ours"]})
