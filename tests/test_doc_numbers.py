@@ -439,6 +439,36 @@ def _stack_memory(files):
     }
 
 
+FUSED = tuple(f"{BENCH}/{f}.json" for f in ("fused", "h100-fused", "tpu-v5e_2x2-fused"))
+
+
+def _fused_table(files):
+    """docs/llm-layers.md's table: the fused ops' residuals and forward+backward cost
+    against their compositions, CPU, H100 and TPU v5e side by side."""
+    cpu, *_ = files
+    pairs = (("add_rms_norm", "flax RMSNorm + add"), ("gated_rms_norm", "flax RMSNorm * silu"))
+
+    def row_of(saved, impl, n, dtype):
+        return next(r for r in saved if (r["impl"], r["features"], r["dtype"]) == (impl, n, dtype))
+
+    lines = [
+        "| features | dtype | add_rms_norm: residuals / bytes(x), ours vs flax + add "
+        "| fwd+bwd vs flax + add: CPU, H100, v5e | gated_rms_norm: residuals, ours vs flax "
+        "* silu | fwd+bwd vs flax * silu: CPU, H100, v5e |",
+        "|---:|---|---|---|---|---|",
+    ]
+    for dtype in ("float32", "bfloat16"):
+        for n in sorted({r["features"] for r in cpu}):
+            cells = [str(n), dtype]
+            for ours, theirs in pairs:
+                kept = [row_of(cpu, impl, n, dtype)["residual_x"] for impl in (ours, theirs)]
+                cells.append(f"{kept[0]:.2f} vs {kept[1]:.2f}")
+                cost = [row_of(saved, ours, n, dtype)["vs_composition"] for saved in files]
+                cells.append(", ".join(f"{c:.2f}" for c in cost))
+            lines.append("| " + " | ".join(cells) + " |")
+    return {"table": "\n".join(lines)}
+
+
 def _h200_kernels(files):
     """Forward+backward with ``implementation="pallas"`` over the XLA path, per op."""
     (saved,) = files
@@ -638,6 +668,7 @@ CLAIMS = [
         STACK_TARGETS,
         _stack_memory,
     ),
+    Claim("docs/llm-layers.md", "{table}", FUSED, _fused_table),
     Claim(
         "docs/cpu.md",
         "Forward+backward is {all} faster than `flax.linen.RMSNorm` on every shape and dtype "
