@@ -104,15 +104,12 @@ def _cpu_runs_glance(files):
     """The README's XLA:CPU row: forward+backward of ``rms_norm`` over flax RMSNorm, the
     plain formula and the best of those and flax LayerNorm, as ranges over the shapes and
     over the runs (each run a ``python -m benchmarks ops`` report on the 2-core CPU)."""
-    ratios = {"flax": [], "plain": [], "best": []}
-    for saved in files:
-        median = _ops_medians(saved)
-        for shape in sorted({key[:3] for key in median}):
-            ours = median[(*shape, "fwd+bwd", "rms_norm")]
-            peers = [median[(*shape, "fwd+bwd", peer)] for peer in PEERS]
-            ratios["flax"].append(ours / peers[0])
-            ratios["plain"].append(ours / peers[1])
-            ratios["best"].append(ours / min(peers))
+    medians = [_ops_medians(saved) for saved in files]
+    ratios = _over_peers(
+        (median[(*shape, "fwd+bwd", "rms_norm")], [median[(*shape, "fwd+bwd", p)] for p in PEERS])
+        for median in medians
+        for shape in sorted({key[:3] for key in median})
+    )
     return {"runs": str(len(files)), **{k: _span(v, ".2f") for k, v in ratios.items()}}
 
 
@@ -282,6 +279,17 @@ def _ops_medians(saved) -> dict:
     }
 
 
+def _over_peers(pairs) -> dict[str, list[float]]:
+    """For each ``(ours, [each of PEERS])`` pair of times: ours over flax RMSNorm's
+    (``"flax"``), over the plain formula's (``"plain"``) and over the best of PEERS'."""
+    ratios = {"flax": [], "plain": [], "best": []}
+    for ours, peers in pairs:
+        ratios["flax"].append(ours / peers[0])
+        ratios["plain"].append(ours / peers[1])
+        ratios["best"].append(ours / min(peers))
+    return ratios
+
+
 def _h200_glance(files):
     """The README's "At a glance" rows measured on the H200: ``rms_norm`` over flax
     RMSNorm, over the plain formula under autodiff, and over the best of those and flax
@@ -295,13 +303,11 @@ def _h200_glance(files):
         ("fwd", ("float32",), "fwd_f32"),
         ("fwd+bwd", ("bfloat16", "float32"), "fb"),
     ):
-        ratios = {"flax": [], "plain": [], "best": []}
-        for shape in (s for s in shapes if s[2] in dtypes):
-            ours = median[(*shape, kind, "rms_norm")]
-            peers = [median[(*shape, kind, peer)] for peer in PEERS]
-            ratios["flax"].append(ours / peers[0])
-            ratios["plain"].append(ours / peers[1])
-            ratios["best"].append(ours / min(peers))
+        ratios = _over_peers(
+            (median[(*shape, kind, "rms_norm")], [median[(*shape, kind, p)] for p in PEERS])
+            for shape in shapes
+            if shape[2] in dtypes
+        )
         for peer, values in ratios.items():
             out[f"{name}_{peer}"] = _span(values, ".2f")
         if name == "fwd_bf16":
@@ -309,13 +315,10 @@ def _h200_glance(files):
     step = {(r["mlp"], r["dtype"], r["norm"]): r for r in saved["sections"]["step"]["results"]}
     configs = sorted({key[:2] for key in step})
     assert len(configs) == 4  # SwiGLU and gelu, bfloat16 and float32
-    times = {"flax": [], "plain": [], "best": []}
-    for config in configs:
-        ours = step[(*config, "rms_norm")]["median_s"]
-        peers = [step[(*config, peer)]["median_s"] for peer in PEERS]
-        times["flax"].append(ours / peers[0])
-        times["plain"].append(ours / peers[1])
-        times["best"].append(ours / min(peers))
+    times = _over_peers(
+        (step[(*config, "rms_norm")]["median_s"], [step[(*config, p)]["median_s"] for p in PEERS])
+        for config in configs
+    )
     for peer, values in times.items():
         out[f"step_{peer}"] = _span(values, ".2f")
     out["spread"] = format(
