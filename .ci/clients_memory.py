@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import time
 import warnings
@@ -44,6 +43,7 @@ warnings.simplefilter("ignore", DeprecationWarning)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from clients_tables import commit  # noqa: E402  (beside this script)
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from rmsnorm_jax import aot, integrations  # noqa: E402
@@ -232,13 +232,18 @@ LIBRARIES = {
 # ---------------------------------------------------------------- compiling
 
 
+def _entry(hlo: str) -> str:
+    """The entry computation of an HLO module's text, its header line first."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    return entry[: entry.index("\n}\n")]
+
+
 def activation_buffers(hlo: str) -> collections.Counter:
     """Per shape ``[BATCH, LENGTH, d]`` (any dtype), how many instructions of the compiled
     program's entry computation write a new buffer of it (aliases, parameters and
     constants aside; a tuple-valued instruction counts once per such element)."""
-    entry = hlo[hlo.index("\nENTRY") :]
     found = collections.Counter()
-    for line in entry[: entry.index("\n}\n")].splitlines()[1:]:
+    for line in _entry(hlo).splitlines()[1:]:
         match = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) ([a-z][\w\-]*)\(", line)
         if not match or match.group(2) in ALIASES:
             continue
@@ -265,14 +270,8 @@ def live_peak() -> int:
             temp = "preallocated-temp" in line
         elif temp and (match := re.match(r"\s*value: <\d+ (\S+) @(\d+)> \(size=(\d+)", line)):
             sizes[match.group(1), match.group(2)] = int(match.group(3))
-    hlo = open(f"{stem}.txt").read()
-    entry = hlo[hlo.index("\nENTRY") :]
-    order = {
-        m.group(1): i
-        for i, m in enumerate(
-            re.finditer(r"\n\s*(?:ROOT )?%(\S+) = ", entry[: entry.index("\n}\n")])
-        )
-    }
+    entry = _entry(open(f"{stem}.txt").read())
+    order = {m.group(1): i for i, m in enumerate(re.finditer(r"\n\s*(?:ROOT )?%(\S+) = ", entry))}
     last, value, reading = {}, None, False
     for line in open(f"{stem}-buffer-assignment-values.txt"):
         if match := re.match(r"<\d+ (\S+) @(\d+)>", line):
@@ -354,12 +353,9 @@ def main() -> None:
     if args.only:
         wanted = args.only.split(",")
         configs = [c for c in configs if c[0] in wanted or f"{c[0]}:{c[2]}" in wanted]
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     provenance = {
         "command": " ".join(["python", ".ci/clients_memory.py", *sys.argv[1:]]),
-        "commit": commit,
+        "commit": commit(),
         "python": platform.python_version(),
         "jax": jax.__version__,
     }
@@ -398,8 +394,9 @@ def main() -> None:
             print(json.dumps(row), f"({time.time() - start:.0f} s)", flush=True)
     meta = {"batch": [BATCH, LENGTH], "vocab": VOCAB}
     if args.merge:  # the rows of another run, less those this run measured again
+        measured = {_key(r) for r in rows}
         with open(args.merge) as f:
-            kept = [r for r in json.load(f)["rows"] if _key(r) not in {_key(r) for r in rows}]
+            kept = [r for r in json.load(f)["rows"] if _key(r) not in measured]
         rows = kept + rows
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -20,7 +20,8 @@ import subprocess
 import sys
 
 
-def _commit() -> str:
+def commit() -> str:
+    """The checkout's short commit, as the results files record it."""
     run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return run.stdout.strip()
 
@@ -34,7 +35,7 @@ def tests(rows: list[dict]) -> str:
         "# The client libraries' tests: ours against the library's own norm",
         "",
         f"Written by `.ci/clients.sh test` and `python .ci/clients_tables.py tests` at "
-        f"{_commit()} ({'; '.join(versions)}; XLA:CPU). float32: the largest difference of "
+        f"{commit()} ({'; '.join(versions)}; XLA:CPU). float32: the largest difference of "
         "the logits (and of every gradient) relative to the largest magnitude of the "
         "unpatched model's; bfloat16: the relative L2 distance of the bfloat16 model's logits "
         "from float32 arithmetic on the same parameters, patched (ours) and not (the "
