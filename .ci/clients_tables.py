@@ -16,13 +16,19 @@ tests/conftest.py)::
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 
 def commit() -> str:
     """The checkout's short commit, as the results files record it."""
-    run = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    run = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        capture_output=True,
+        text=True,
+    )
     return run.stdout.strip()
 
 
