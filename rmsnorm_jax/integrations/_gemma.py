@@ -247,12 +247,13 @@ def patch_gemma(
         assert patch.calls > 0, patch  # "reached nothing" otherwise
     """
     check_implementation(implementation)
-    by_family = {_FAMILY[name]: (name, cls) for name, cls in _classes().items()}
-    picked = chosen("patch_gemma()", {f: cls for f, (_, cls) in by_family.items()}, families)
-    swaps = [
-        Swap(cls, _CLASSES[by_family[f][0]][0], _probe(cls, _CLASSES[by_family[f][0]][1]))
-        for f, cls in picked.items()
-    ]
+    classes = _classes()
+    module = {_FAMILY[name]: name for name in classes}  # family -> its module
+    picked = chosen("patch_gemma()", {f: classes[m] for f, m in module.items()}, families)
+    swaps = []
+    for family, cls in picked.items():
+        make, variants = _CLASSES[module[family]]
+        swaps.append(Swap(cls, make, _probe(cls, variants)))
     return apply("gemma", "patch_gemma()", swaps, implementation)
 
 
