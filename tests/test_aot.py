@@ -9,7 +9,6 @@ accelerator; elsewhere, or without the compilers, these tests skip (helpers.aot_
 """
 
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,6 @@ from benchmarks import estimates, models, peers
 from rmsnorm_jax import aot, rms_norm
 from rmsnorm_jax._backends import row_groups, rows_per_group, two_stage_column_sum
 
-ROOT = Path(__file__).resolve().parents[1]
 ACCELERATORS = ("tpu-v5e", "tpu-v6e", "h100")
 
 
@@ -184,10 +182,10 @@ def test_cpu_keeps_its_barriers():
 def test_cpu_backward_keeps_no_full_size_copy(dtype, offset):
     """XLA:CPU's backward needs a few float32 vectors of temporaries, no full-size array.
 
-    Each pass reads the scale through its own barrier: shared with the forward, the
-    broadcast ``scale + offset`` was a full-size float32 array that XLA:CPU kept from the
-    forward to the backward (bfloat16: 1 MiB here; in tunix's Gemma 3 step, 5 MiB per
-    norm and 1.134x the library's train-step memory, docs/integrations.md).
+    Each pass reads the scale and the row statistic through its own barrier: shared with
+    the forward, the broadcast ``scale + offset`` was a full-size float32 array that
+    XLA:CPU kept from the forward to the backward (bfloat16: 1 MiB here; in tunix's Gemma 3
+    step, 5 MiB per norm and 1.134x the library's train-step memory, docs/integrations.md).
     """
     if not host_cpu_devices():
         pytest.skip("needs the host CPU backend, left out by JAX_PLATFORMS")

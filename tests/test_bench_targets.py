@@ -8,7 +8,6 @@ a cost model are refused, naming why and what works for them.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 from helpers import deviceless_skip_reason, requires_deviceless
@@ -16,8 +15,6 @@ from helpers import deviceless_skip_reason, requires_deviceless
 import benchmarks.__main__ as cli
 from benchmarks import estimates, report
 from rmsnorm_jax import aot
-
-ROOT = Path(__file__).resolve().parents[1]
 
 TPUS = [name for name in aot.target_names() if name.startswith("tpu")]
 WITHOUT_COST_MODEL = ("cpu", "a100")

@@ -18,7 +18,6 @@ import math
 import re
 import statistics
 import types
-from pathlib import Path
 
 import conftest
 import helpers
@@ -29,8 +28,6 @@ from jax.experimental.mosaic.gpu import profiler
 
 import benchmarks.__main__ as cli
 from benchmarks import peers, report, timing
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SMOKE = report.SMOKE
 GEMMA_NORMS = ("rms_norm", "gemma's own", peers.GEMMA_FLOOR)

@@ -8,7 +8,6 @@ The full size: ``python -m benchmarks gemma --target h100`` (or on a device, wit
 """
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,6 @@ from helpers import assert_close, deviceless_skip_reason, tol
 import benchmarks.__main__ as cli
 from benchmarks import estimates, models, peers
 
-ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-6
 
 

@@ -20,8 +20,6 @@ from helpers import assert_close, deviceless_skip_reason
 import benchmarks.__main__ as cli
 from benchmarks import models, peers
 
-ROOT = Path(__file__).resolve().parents[1]
-
 TINY = models.MaxTextConfig(vocab=64, d=32, layers=2, heads=2, head_dim=16, hidden=64)
 F32 = dataclasses.replace(TINY, dtype=jnp.float32)
 
