@@ -7,9 +7,9 @@ Module; ``rmsnorm_jax.nnx.RMSNorm`` its NNX twin.
 from . import integrations as integrations
 from . import nnx as nnx
 from ._config import partial_count as partial_count
-from ._functional import rms_norm as rms_norm
-from ._fused import add_rms_norm as add_rms_norm
-from ._fused import gated_rms_norm as gated_rms_norm
+from ._llm_layers import add_rms_norm as add_rms_norm
+from ._llm_layers import gated_rms_norm as gated_rms_norm
+from ._rms_norm import rms_norm as rms_norm
 from ._version import __version__ as __version__
 from .linen import RMSNorm as RMSNorm
 

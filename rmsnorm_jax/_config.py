@@ -1,11 +1,12 @@
 """The arguments of a norm: their checks, the dtype policy, and the static ``NormConfig``.
 
-Shared by the public functions (``_functional.py``, ``_fused.py``), the Modules and the
-kernels' ``explain``; it imports nothing of theirs, so every arrow points down here.
+Shared by the public functions (``_rms_norm.py``, ``_llm_layers.py``), the XLA path
+(``_xla/``), the kernels and the Modules; it imports nothing of theirs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Hashable, Sequence
@@ -17,9 +18,45 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._vjp import NormConfig
-
 EPS_PLACEMENTS = ("inside", "outside")
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Static description of one norm call (hashable, so it can be a jit key).
+
+    Attributes:
+      axes: the normalized axes of ``x``, non-negative and sorted.
+      n: elements per row on this device (the product of ``x.shape`` over ``axes``).
+      k: elements per row that enter the mean square (``ceil(n_global * p)``).
+      n_global: elements per row across all devices of ``axis_name``.
+      eps: the epsilon.
+      inside: ``True`` for ``rsqrt(ms + eps)``, ``False`` for ``1 / (sqrt(ms) + eps)``.
+      scale_offset: added to ``scale`` before it multiplies (1.0 gives ``1 + scale``).
+      compute_dtype: dtype of the statistics and the normalisation (>= float32).
+      out_dtype: dtype of ``y``.
+      axis_name: mapped axis (or tuple) across which the features are split.
+      bias_type: ``jax.typeof(bias)`` (shape, dtype, sharding, varying mesh axes):
+        what the bias cotangent must look like; the bias itself is not kept for the
+        backward pass.
+    """
+
+    axes: tuple[int, ...]
+    n: int
+    k: int
+    n_global: int
+    eps: float
+    inside: bool
+    scale_offset: float
+    compute_dtype: np.dtype
+    out_dtype: np.dtype
+    axis_name: Hashable | None
+    bias_type: Any = None
+
+    @property
+    def partial(self) -> bool:
+        return self.k < self.n_global
 
 
 def partial_count(n: int, p: float) -> int:
@@ -245,3 +282,14 @@ def check_dtype(dtype: Any) -> np.dtype:
     if dt is None or not jnp.issubdtype(dt, jnp.floating):
         raise TypeError(f"dtype must be a floating dtype such as jnp.bfloat16, got {dtype!r}.")
     return dt
+
+
+def check_implementation(implementation: Any) -> str:
+    """``implementation`` if it names a path (:data:`IMPLEMENTATIONS`), else a ValueError."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}: "
+            f"'xla' for the XLA path, 'pallas' for the fused kernels, 'auto' to let the "
+            f"library choose from measurements."
+        )
+    return implementation

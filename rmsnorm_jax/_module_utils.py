@@ -9,8 +9,8 @@ import jax
 from flax.typing import Axes
 
 from ._config import normalize_axes
-from ._functional import rms_norm
-from ._fused import add_rms_norm, gated_rms_norm
+from ._llm_layers import add_rms_norm, gated_rms_norm
+from ._rms_norm import rms_norm
 
 
 def unsupported_options(axis_index_groups: Any) -> None:

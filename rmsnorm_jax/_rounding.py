@@ -73,7 +73,7 @@ def added(a: jax.Array, b: jax.Array, dtype, *, keep: bool = True) -> jax.Array:
     float32, in one fusion and not in another, so that the ``h`` written and the ``h``
     normalized differ; here every reader sees the one rounded ``h``. ``keep=False``
     gives the plain sum, for compilers that round it themselves (Triton, Mosaic,
-    XLA:GPU: ``_backends.residual_sum``).
+    XLA:GPU: ``_xla/per_compiler.residual_sum``).
 
     >>> import jax.numpy as jnp
     >>> added(jnp.float32(1.0), jnp.float32(2.0**-9), jnp.bfloat16).dtype

@@ -24,9 +24,8 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Axes, Dtype, Initializer
 
+from ._config import check_implementation
 from ._module_utils import feature_param_shapes, normalize, unsupported_options
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 
 class RMSNorm(nnx.Module):
@@ -111,11 +110,7 @@ class RMSNorm(nnx.Module):
         implementation: str = "auto",
     ):
         unsupported_options(axis_index_groups)
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}; use "
-                "'auto' (the measured default per backend and shape), 'xla' or 'pallas'."
-            )
+        check_implementation(implementation)
         shape = (num_features,)
         self.scale = (
             nnx.Param(scale_init(rngs.params(), shape, param_dtype), **scale_metadata)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rmsnorm_jax.kernels._spec import KernelSpec
+from rmsnorm_jax.kernels import KernelSpec
 from rmsnorm_jax.reference import rms_norm_reference
 
 # Tolerances for comparing a result computed from dtype-d inputs with the float64

@@ -22,7 +22,7 @@ import rmsnorm_jax
 import rmsnorm_jax.nnx
 from benchmarks import estimates, models, peers
 from rmsnorm_jax import aot, rms_norm
-from rmsnorm_jax._backends import row_groups, rows_per_group, two_stage_column_sum
+from rmsnorm_jax._xla.per_compiler import row_groups, rows_per_group, two_stage_column_sum
 
 ACCELERATORS = ("tpu-v5e", "tpu-v6e", "h100")
 

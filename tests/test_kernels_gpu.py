@@ -1,4 +1,4 @@
-"""The Pallas-Triton kernels (``rmsnorm_jax/kernels/gpu.py``) against the float64 oracle.
+"""The Pallas-Triton kernels (``rmsnorm_jax/kernels/triton.py``) against the float64 oracle.
 
 On CPU the kernels run in Pallas interpret mode (the same kernel bodies, block sizes and
 masks); on a GPU backend they run compiled. The oracle is ``rms_norm_reference`` in
@@ -18,7 +18,7 @@ from helpers import kernel_spec as _spec
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import aot
-from rmsnorm_jax.kernels import gpu
+from rmsnorm_jax.kernels import triton, triton_sizing
 from rmsnorm_jax.reference import rms_norm_reference
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -56,9 +56,9 @@ def _oracle(spec, x, scale, bias, dy):
 def _run(spec, x, scale, bias, dy, **kw):
     scale = scale if spec.has_scale else None
     bias = bias if spec.has_bias else None
-    y, stat, h = gpu.forward(spec, x, scale, bias, interpret=INTERPRET, **kw)
+    y, stat, h = triton.forward(spec, x, scale, bias, interpret=INTERPRET, **kw)
     assert h is None
-    dx, dscale, dbias = gpu.backward(
+    dx, dscale, dbias = triton.backward(
         spec, x, dy, stat, scale, dx_dtype=x.dtype, interpret=INTERPRET, **kw
     )
     return y, stat, dx, dscale, dbias
@@ -96,7 +96,7 @@ def _check(spec, dtype, x, scale, bias, dy, got):
 def test_forward_and_backward_match_the_float64_formula(dtype, rows, n):
     spec = _spec(n, dtype)
     x, scale, bias, dy = _inputs(rows, n, dtype)
-    assert rows % gpu.default_block_rows(n, rows) or n == 5120
+    assert rows % triton_sizing.default_block_rows(n, rows) or n == 5120
     _check(spec, dtype, x, scale, bias, dy, _run(spec, x, scale, bias, dy))
 
 
@@ -154,8 +154,10 @@ def test_residual_form(x_dtype, res_dtype, h_dtype):
     spec = _spec(n, x_dtype, offset=1.0)
     x, scale, bias, dy = _inputs(rows, n, x_dtype, seed=5)
     residual, _, _, dh = _inputs(rows, n, res_dtype, seed=6)
-    y, stat, h = gpu.forward(spec, x, scale, bias, residual, h_dtype=h_dtype, interpret=INTERPRET)
-    dx, dscale, dbias = gpu.backward(
+    y, stat, h = triton.forward(
+        spec, x, scale, bias, residual, h_dtype=h_dtype, interpret=INTERPRET
+    )
+    dx, dscale, dbias = triton.backward(
         spec, h, dy, stat, scale, dh.astype(h_dtype), dx_dtype=h_dtype, interpret=INTERPRET
     )
     assert (h.dtype, dx.dtype) == (h_dtype, h_dtype)
@@ -190,8 +192,8 @@ def test_persistent_backward_partials_hold_each_programs_rows():
     rows, n = 13, 48
     spec = _spec(n, jnp.float32, eps=0.0, inside=False)
     x, scale, bias, dy = _inputs(rows, n, jnp.float32, seed=7)
-    _, stat, _ = gpu.forward(spec, x, scale, bias, interpret=INTERPRET, block_rows=1)
-    dx, dscale, dbias = gpu.backward(
+    _, stat, _ = triton.forward(spec, x, scale, bias, interpret=INTERPRET, block_rows=1)
+    dx, dscale, dbias = triton.backward(
         spec, x, dy, stat, scale, dx_dtype=jnp.float32, interpret=INTERPRET,
         block_rows=1, programs=3,
     )  # fmt: skip
@@ -209,17 +211,17 @@ def test_persistent_backward_partials_hold_each_programs_rows():
 
 
 def test_fits():
-    assert gpu.fits(_spec(8192, jnp.bfloat16), 4096, jnp.bfloat16)
-    assert gpu.fits(_spec(5120, jnp.float32, k=320), 1, jnp.float16)
-    assert not gpu.fits(_spec(8193, jnp.bfloat16), 4096, jnp.bfloat16)  # too wide a row
-    assert not gpu.fits(_spec(16384, jnp.float32), 4096, jnp.float32)
-    assert not gpu.fits(_spec(1024, jnp.float32), 8, jnp.float64)
-    assert not gpu.fits(_spec(1024, jnp.float64), 8, jnp.float32)
-    assert not gpu.fits(_spec(1024, jnp.float32), 0, jnp.float32)
+    assert triton.fits(_spec(8192, jnp.bfloat16), 4096, jnp.bfloat16)
+    assert triton.fits(_spec(5120, jnp.float32, k=320), 1, jnp.float16)
+    assert not triton.fits(_spec(8193, jnp.bfloat16), 4096, jnp.bfloat16)  # too wide a row
+    assert not triton.fits(_spec(16384, jnp.float32), 4096, jnp.float32)
+    assert not triton.fits(_spec(1024, jnp.float32), 8, jnp.float64)
+    assert not triton.fits(_spec(1024, jnp.float64), 8, jnp.float32)
+    assert not triton.fits(_spec(1024, jnp.float32), 0, jnp.float32)
 
 
 def test_block_sizes():
-    """The sizing measured on an H200 (``gpu._BACKWARD_SIZING``'s comment), by hand:
+    """The sizing measured on an H200 (``kernels/data/triton_sizing.json``), by hand:
     (n, rows) -> (padded features, rows per block, forward warps, backward warps,
     backward programs on 132 SMs)."""
     for (n, rows), expected in {
@@ -235,9 +237,12 @@ def test_block_sizes():
         (128, 100): (128, 32, 8, 8, 4),
         (100, 3): (128, 4, 1, 1, 1),
     }.items():
-        block = gpu.default_block_rows(n, rows)
-        got = (gpu.padded_features(n), block, gpu.num_warps(n, block))
-        got += (gpu.backward_warps(n, block), gpu.backward_programs(n, rows, block, sms=132))
+        block = triton_sizing.default_block_rows(n, rows)
+        got = (triton_sizing.padded_features(n), block, triton_sizing.num_warps(n, block))
+        got += (
+            triton_sizing.backward_warps(n, block),
+            triton_sizing.backward_programs(n, rows, block, sms=132),
+        )
         assert got == expected, (n, rows, got)
 
 
@@ -245,20 +250,20 @@ def test_bad_arguments_name_the_argument_and_the_fix():
     spec = _spec(64, jnp.float32)
     x, scale, bias, dy = _inputs(4, 64, jnp.float32)
     with pytest.raises(ValueError, match=r"x must have shape \(rows, 64\).*reshape"):
-        gpu.forward(spec, x.reshape(8, 32), scale, bias, interpret=True)
+        triton.forward(spec, x.reshape(8, 32), scale, bias, interpret=True)
     with pytest.raises(ValueError, match=r"bias is None but spec\.has_bias"):
-        gpu.forward(spec, x, scale, None, interpret=True)
+        triton.forward(spec, x, scale, None, interpret=True)
     with pytest.raises(TypeError, match=r"h_dtype must be float32.*implementation='xla'"):
-        gpu.forward(spec, x, scale, bias, x, interpret=True)
+        triton.forward(spec, x, scale, bias, x, interpret=True)
     with pytest.raises(
         ValueError, match=r"block_rows must be a positive power of two.*got 3; pass e\.g\. 4"
     ):
-        gpu.forward(spec, x, scale, bias, interpret=True, block_rows=3)
+        triton.forward(spec, x, scale, bias, interpret=True, block_rows=3)
     stat = jnp.ones((4,))
     with pytest.raises(ValueError, match=r"stat must have shape \(4,\)"):
-        gpu.backward(spec, x, dy, stat[:2], scale, dx_dtype=jnp.float32, interpret=True)
+        triton.backward(spec, x, dy, stat[:2], scale, dx_dtype=jnp.float32, interpret=True)
     with pytest.raises(ValueError, match="programs must be between 1 and the 1 row blocks"):
-        gpu.backward(spec, x, dy, stat, scale, dx_dtype=jnp.float32, programs=2)
+        triton.backward(spec, x, dy, stat, scale, dx_dtype=jnp.float32, programs=2)
 
 
 # ---------------------------------------------------------------- deviceless H100 compile
@@ -290,10 +295,12 @@ def test_h100_forward_and_backward_are_two_triton_kernels(rows, n, dtype, residu
     spec = _spec(n, dtype, k=k, inside=inside)
 
     def forward_backward(x, other, scale, bias, dy):
-        y, stat, h = gpu.forward(spec, x, scale, bias, other if residual else None, h_dtype=dtype)
+        y, stat, h = triton.forward(
+            spec, x, scale, bias, other if residual else None, h_dtype=dtype
+        )
         normalized = h if residual else x
         dh = other if residual else None
-        dx, dscale, dbias = gpu.backward(spec, normalized, dy, stat, scale, dh, dx_dtype=dtype)
+        dx, dscale, dbias = triton.backward(spec, normalized, dy, stat, scale, dh, dx_dtype=dtype)
         return y, h, dx, dscale.sum(0), dbias.sum(0)
 
     rows_struct = aot.struct((rows, n), dtype, mesh, P())
@@ -306,7 +313,7 @@ def test_h100_forward_and_backward_are_two_triton_kernels(rows, n, dtype, residu
     assert ops, "the program reads and writes (rows, n) arrays"
     assert all(op == "custom-call" and "__gpu$xla.gpu.triton" in line for op, line in ops), ops
     assert len(ops) == 2  # one forward kernel, one backward kernel
-    programs = gpu.backward_programs(n, rows, gpu.default_block_rows(n, rows))
+    programs = triton_sizing.backward_programs(n, rows, triton_sizing.default_block_rows(n, rows))
     assert f"f32[{programs},{n}]" in ops[1][1]  # the partial sums
 
 
@@ -319,9 +326,9 @@ def test_backward_sized_for_the_gpu_being_compiled_for(name, sms):
     target = aot_target(name)
     mesh = jax.sharding.Mesh(target.devices[:1], ("d",))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        assert gpu.multiprocessors() == sms
+        assert triton_sizing.multiprocessors() == sms
         for n, rows in [(4096, 8192), (4096, 2000), (5120, 8192), (1000, 8192), (4096, 100)]:
-            block = gpu.default_block_rows(n, rows)
-            programs = gpu.backward_programs(n, rows, block)
+            block = triton_sizing.default_block_rows(n, rows)
+            programs = triton_sizing.backward_programs(n, rows, block)
             assert programs <= sms or programs % sms == 0, (n, rows, programs)
             assert programs <= -(-rows // block)

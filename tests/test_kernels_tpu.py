@@ -1,4 +1,4 @@
-"""The Pallas Mosaic TPU kernels (``rmsnorm_jax.kernels.tpu``) and the TPU7x target.
+"""The Pallas Mosaic TPU kernels (``rmsnorm_jax.kernels.mosaic_tpu``) and the TPU7x target.
 
 - Interpret mode (Pallas TPU interpret mode, on CPU) against the float64 formula under
   ``jax.vjp``: y, the per-row statistic, dx and the summed parameter gradients.
@@ -21,8 +21,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from rmsnorm_jax.kernels import tpu
-from rmsnorm_jax.kernels._spec import KernelSpec
+from rmsnorm_jax.kernels import KernelSpec, mosaic_tpu, mosaic_tpu_plan
 from rmsnorm_jax.reference import rms_norm_reference
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
@@ -65,12 +64,12 @@ def test_interpret_mode_matches_the_float64_formula(rows, n, dtype, options, res
     h_dtype = residual_dtype
 
     y, stat, h = jax.jit(
-        lambda x, r, s, b: tpu.forward(spec, x, s, b, r, h_dtype=h_dtype, interpret=True)
+        lambda x, r, s, b: mosaic_tpu.forward(spec, x, s, b, r, h_dtype=h_dtype, interpret=True)
     )(x, residual, scale_in, bias_in)
     normed = x if residual is None else h
     dx_dtype = np.dtype(dtype if residual is None else residual_dtype)
     dx, dscale, dbias = jax.jit(
-        lambda x, dy, st, s, dh: tpu.backward(
+        lambda x, dy, st, s, dh: mosaic_tpu.backward(
             spec, x, dy, st, s, dh, dx_dtype=dx_dtype, interpret=True
         )
     )(normed, dy, stat, scale_in, dh)
@@ -115,36 +114,38 @@ def test_interpret_mode_matches_the_float64_formula(rows, n, dtype, options, res
 
 def test_fits_and_the_block_sizes():
     spec = _spec(4096, BF16)
-    assert tpu.fits(spec, 8192, BF16)
-    assert not tpu.fits(spec, 0, BF16)
-    assert not tpu.fits(_spec(1 << 20, F32), 8192, F32)  # 4 MiB rows: stays on XLA
-    for name in tpu.GENERATIONS:
+    assert mosaic_tpu_plan.fits(spec, 8192, BF16)
+    assert not mosaic_tpu_plan.fits(spec, 0, BF16)
+    assert not mosaic_tpu_plan.fits(_spec(1 << 20, F32), 8192, F32)  # 4 MiB rows: stays on XLA
+    for name in mosaic_tpu_plan.GENERATIONS:
         for kind in ("forward", "backward"):
             for dtype, tile in ((F32, 8), (BF16, 16)):
-                p = tpu.plan(_spec(4096, dtype), 8192, dtype, kind, generation_name=name)
+                p = mosaic_tpu_plan.plan(
+                    _spec(4096, dtype), 8192, dtype, kind, generation_name=name
+                )
                 assert p.block_rows % tile == 0 and p.generation.name == name
                 assert p.grid[-1] >= 2  # enough steps for the pipeline
     # Small VMEM (v4), smaller blocks; the unknown generation sizes for the smallest.
-    v4 = tpu.plan(spec, 8192, BF16, "backward", generation_name="v4").block_rows
-    v5e = tpu.plan(spec, 8192, BF16, "backward", generation_name="v5e").block_rows
+    v4 = mosaic_tpu_plan.plan(spec, 8192, BF16, "backward", generation_name="v4").block_rows
+    v5e = mosaic_tpu_plan.plan(spec, 8192, BF16, "backward", generation_name="v5e").block_rows
     assert v4 < v5e
-    assert tpu.plan(spec, 8192, BF16, "backward").block_rows == v4
+    assert mosaic_tpu_plan.plan(spec, 8192, BF16, "backward").block_rows == v4
     with pytest.raises(ValueError, match="unknown TPU generation 'v9'"):
-        tpu.plan(spec, 8192, BF16, generation_name="v9")
+        mosaic_tpu_plan.plan(spec, 8192, BF16, generation_name="v9")
 
 
 # ---------------------------------------------------------------- bytes model
 
 
-@pytest.mark.parametrize("generation_name", list(tpu.GENERATIONS))
+@pytest.mark.parametrize("generation_name", list(mosaic_tpu_plan.GENERATIONS))
 @pytest.mark.parametrize("rows, n, dtype", [(8192, 4096, BF16), (1000, 1000, F32)])
 def test_bytes_moved_are_two_x_sizes_forward_five_with_the_backward(
     generation_name, rows, n, dtype
 ):
     spec = _spec(n, dtype, bias=True)
     x_size = rows * n * dtype.itemsize
-    fwd = tpu.plan(spec, rows, dtype, "forward", generation_name=generation_name)
-    bwd = tpu.plan(spec, rows, dtype, "backward", generation_name=generation_name)
+    fwd = mosaic_tpu_plan.plan(spec, rows, dtype, "forward", generation_name=generation_name)
+    bwd = mosaic_tpu_plan.plan(spec, rows, dtype, "backward", generation_name=generation_name)
     # Every full-size operand is copied once; the scale and bias once in all.
     for p, names in ((fwd, ("x", "y")), (bwd, ("x", "dy", "dx"))):
         for name in names:
@@ -169,7 +170,7 @@ def test_bytes_model_counts_partial_and_repeated_blocks_once():
     # 5 blocks of 8 rows, the last one partial; the backward's second slot repeats its
     # last block (3 steps for 2 blocks): neither is copied twice.
     spec = _spec(128, F32)
-    p = tpu.plan(spec, 37, F32, "backward", generation_name="v4")
+    p = mosaic_tpu_plan.plan(spec, 37, F32, "backward", generation_name="v4")
     assert (p.block_rows, p.grid) == (8, (2, 3))
     assert p.operand("x").bytes == 37 * 128 * 4
     assert p.operand("dx").bytes == 37 * 128 * 4
@@ -216,7 +217,7 @@ def _widest(generation_name, dtype):
         spec = _spec(mid, dtype)
         f32 = dict(residual_dtype=F32, h_dtype=F32, dx_dtype=F32)
         ok = all(
-            tpu.plan(spec, 4096, dtype, k, **f32, **mesh_free) is not None
+            mosaic_tpu_plan.plan(spec, 4096, dtype, k, **f32, **mesh_free) is not None
             for k in ("forward", "backward")
         )
         lo, hi = (mid, hi) if ok else (lo, mid)
@@ -238,10 +239,10 @@ def test_deviceless_compile_holds_only_the_kernels(generation_name):
     wide_spec = _spec(wide, F32, scale=False)
 
     def program(x, dy, scale, bias, wx, wr, wdh):
-        y, stat, _ = tpu.forward(spec, x, scale, bias)
-        dx, dscale, dbias = tpu.backward(spec, x, dy, stat, scale, dx_dtype=BF16)
-        wy, wstat, wh = tpu.forward(wide_spec, wx, None, None, wr, h_dtype=F32)
-        wdx, _, _ = tpu.backward(wide_spec, wh, wx, wstat, None, wdh, dx_dtype=F32)
+        y, stat, _ = mosaic_tpu.forward(spec, x, scale, bias)
+        dx, dscale, dbias = mosaic_tpu.backward(spec, x, dy, stat, scale, dx_dtype=BF16)
+        wy, wstat, wh = mosaic_tpu.forward(wide_spec, wx, None, None, wr, h_dtype=F32)
+        wdx, _, _ = mosaic_tpu.backward(wide_spec, wh, wx, wstat, None, wdh, dx_dtype=F32)
         return y, dx, dscale, dbias, wy, wdx
 
     rep = NamedSharding(mesh, P())
@@ -256,7 +257,7 @@ def test_deviceless_compile_holds_only_the_kernels(generation_name):
     shardings = [row_major, row_major, rep, rep, rep, rep, rep]
     out_shardings = (row_major, row_major, rep, rep, rep, rep)
     with jax.set_mesh(mesh):
-        plan = tpu.plan(spec, rows, BF16)
+        plan = mosaic_tpu_plan.plan(spec, rows, BF16)
         assert plan.generation.name == generation_name  # read from the mesh
         jitted = jax.jit(program, in_shardings=shardings, out_shardings=out_shardings)
         compiled = target.compile(jitted, *args)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import add_rms_norm, aot, rms_norm
 from rmsnorm_jax._rounding import pinned, rounded
-from rmsnorm_jax.kernels import gpu, tpu
+from rmsnorm_jax.kernels import mosaic_tpu, triton
 
 NUMPY_DTYPE = {jnp.float16: np.float16, jnp.bfloat16: ml_dtypes.bfloat16}
 
@@ -120,14 +120,18 @@ def test_xla_path_backward_pairs_the_rounded_h_with_its_statistic(mix):
 
 
 KERNELS = {
-    "gpu": lambda spec, x, s, r, hd: gpu.forward(spec, x, s, None, r, h_dtype=hd, interpret=True),
-    "tpu": lambda spec, x, s, r, hd: tpu.forward(spec, x, s, None, r, h_dtype=hd, interpret=True),
+    "gpu": lambda spec, x, s, r, hd: triton.forward(
+        spec, x, s, None, r, h_dtype=hd, interpret=True
+    ),
+    "tpu": lambda spec, x, s, r, hd: mosaic_tpu.forward(
+        spec, x, s, None, r, h_dtype=hd, interpret=True
+    ),
 }
 
 
 PLAIN = {
-    "gpu": lambda spec, h, s: gpu.forward(spec, h, s, None, interpret=True),
-    "tpu": lambda spec, h, s: tpu.forward(spec, h, s, None, interpret=True),
+    "gpu": lambda spec, h, s: triton.forward(spec, h, s, None, interpret=True),
+    "tpu": lambda spec, h, s: mosaic_tpu.forward(spec, h, s, None, interpret=True),
 }
 
 

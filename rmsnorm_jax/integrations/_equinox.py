@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from .._functional import rms_norm
+from .._rms_norm import rms_norm
 from ._patch import (
     Case,
     Patch,
@@ -17,11 +17,11 @@ from ._patch import (
     all_float32,
     apply,
     check_implementation,
+    is_static_number,
     probe_x,
     real_floating,
     restore_all,
     run_case,
-    static_float,
     trained_like,
 )
 
@@ -43,7 +43,7 @@ def _equinox_call(original: Callable, implementation: str, hit: Callable[[], Non
             and jnp.ndim(x) > 0
             and x.shape == self.shape  # equinox's own error otherwise
             and real_floating(x)
-            and static_float(self.eps)
+            and is_static_number(self.eps)
         ):
             return original(self, x, state, key=key)
         hit()

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from .._config import normalize_axes
-from .._functional import rms_norm
 from .._module_utils import feature_param_shapes
+from .._rms_norm import rms_norm
 from ._patch import (
     PROBE_FEATURES,
     Case,

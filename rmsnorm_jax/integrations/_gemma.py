@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .._functional import rms_norm
+from .._rms_norm import rms_norm
 from ._patch import (
     Case,
     Patch,

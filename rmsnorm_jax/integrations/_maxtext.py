@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._functional import rms_norm
+from .._rms_norm import rms_norm
 from ._patch import (
     PROBE_FEATURES,
     Case,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..nnx import IMPLEMENTATIONS
+from .._config import check_implementation as check_implementation
 
 # The function a patch installs carries the library's own method here, so that patching
 # twice wraps the original once, and unpatching finds it whatever was patched on top.
@@ -35,14 +35,6 @@ PROBE_FEATURES = 64
 # ---------------------------------------------------------------- small shared helpers
 
 
-def check_implementation(implementation: str) -> None:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is not one of {IMPLEMENTATIONS}; use "
-            "'auto' (the measured default per backend and shape), 'xla' or 'pallas'."
-        )
-
-
 def chosen(function: str, available: dict[str, type], families: Any) -> dict[str, type]:
     """``available`` (``{family: class}``) limited to ``families``, all of it where None.
 
@@ -53,11 +45,14 @@ def chosen(function: str, available: dict[str, type], families: Any) -> dict[str
     names = (families,) if isinstance(families, str) else tuple(families)
     unknown = [name for name in names if name not in available]
     if unknown or not names:
+        what = (
+            f"names {', '.join(map(repr, unknown))}, which this installation does not have"
+            if unknown
+            else "names none"
+        )
         raise ValueError(
-            f"{function}: families={names!r} "
-            + (f"names {', '.join(map(repr, unknown))}, which" if unknown else "names none that")
-            + f" this installation has; choose among {', '.join(map(repr, available))}, "
-            "or leave families=None for all."
+            f"{function}: families={names!r} {what}; choose among "
+            f"{', '.join(map(repr, available))}, or leave families=None for all."
         )
     return {name: available[name] for name in dict.fromkeys(names)}
 
@@ -74,7 +69,7 @@ def real_floating(a: Any) -> bool:
     return a is None or jnp.issubdtype(jnp.result_type(a), jnp.floating)
 
 
-def static_float(eps: Any) -> bool:
+def is_static_number(eps: Any) -> bool:
     """``eps`` is a concrete Python or NumPy number (``rms_norm`` needs a static eps)."""
     return isinstance(eps, (int, float, np.floating, np.integer)) and not isinstance(eps, bool)
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from .._functional import rms_norm
+from .._rms_norm import rms_norm
 from ._patch import (
     PROBE_FEATURES,
     Case,
@@ -36,11 +36,11 @@ from ._patch import (
     apply,
     check_implementation,
     chosen,
+    is_static_number,
     nnx_cases,
     param_value,
     real_floating,
     restore_all,
-    static_float,
 )
 
 _NOT_INSTALLED = (
@@ -84,7 +84,7 @@ def _llama3(original: Callable, implementation: str, hit: Callable[[], None]):
     @jax.named_scope("rms_norm")
     def __call__(self, x):
         w = param_value(self.w)
-        if not (real_floating(x) and real_floating(w) and static_float(self.norm_eps)):
+        if not (real_floating(x) and real_floating(w) and is_static_number(self.norm_eps)):
             return original(self, x)
         hit()
         return rms_norm(x, w, self.norm_eps, dtype=x.dtype, implementation=implementation)
@@ -98,7 +98,7 @@ def _qwen(original: Callable, implementation: str, hit: Callable[[], None]):
     @jax.named_scope("rms_norm")
     def __call__(self, x):
         w = param_value(self.w)
-        if not (real_floating(x) and real_floating(w) and static_float(self.norm_eps)):
+        if not (real_floating(x) and real_floating(w) and is_static_number(self.norm_eps)):
             return original(self, x)
         hit()
         return rms_norm(x, w, self.norm_eps, dtype=self.dtype, implementation=implementation)

@@ -1,32 +1,30 @@
 """Fused Pallas kernels for ``rms_norm`` and ``add_rms_norm``: one pass forward, one backward.
 
-- ``gpu.py``: Pallas-Triton kernels (NVIDIA GPUs); on a CPU backend they run in Pallas
-  interpret mode (for tests; slow).
-- ``tpu.py``: Pallas Mosaic kernels (TPU v4 to TPU7x).
-- ``_spec.py``: the contract both implement, and the per-row maths they share.
-- ``_dispatch.py``: which path computes a call (``implementation=``) and the
-  measurements behind ``"auto"``.
+- ``triton.py`` (+ ``triton_sizing.py``): Pallas-Triton kernels for NVIDIA GPUs; on a CPU
+  they run in Pallas interpret mode (tests).
+- ``mosaic_tpu.py`` (+ ``mosaic_tpu_plan.py``): Pallas Mosaic kernels for TPU v4 to TPU7x.
+- ``_contract.py``: what every backend implements, and the per-row maths they share.
+- ``_dispatch.py``: which path computes a call (``implementation=``) and :data:`MEASURED`,
+  the measurements behind ``"auto"``.
+- ``_ops.py``: the two norms by the kernels, with the XLA path's residuals and rules.
+- ``_launch.py``: the backend per platform, each device's rows, ``vmap``.
 - ``_sharding.py``: each device runs the kernels on its own rows under sharded ``jit``.
-- ``_passes.py``: the per-device passes and the differentiation rules.
 - ``_explain.py``: :func:`explain`, which path a call takes and why.
 
-The backend is chosen when the program is lowered (``lax.platform_dependent``): a program
-traced once compiles to the Triton kernels for a GPU, the Mosaic kernels for a TPU and
-interpret mode for a CPU. Where a backend's block cannot hold a row (``fits``), or on a
-platform with no kernel (ROCm), that backend computes the call with the XLA path of
-``_vjp.py`` instead, with the same residuals.
-
-The residuals kept for the backward pass are the XLA path's: ``x`` (``h`` for the
-residual form), ``scale`` and the per-row float32 statistic, named ``"rms_norm_stat"``;
-``y`` is named ``"rms_norm_out"``. Forward mode is the XLA tangent map around the
-kernels' output; reverse mode its transpose, the kernel backward (``_linear``). A kernel
-differentiated again (grad-of-grad, ``jax.hessian``) differentiates as its XLA twin.
+The backend is chosen when the program is lowered (``lax.platform_dependent``); where a
+backend's block cannot hold a row, or on a platform with no kernel (ROCm), that backend
+computes the call with the XLA path, with the same residuals (``docs/kernels.md``).
 """
 
-from ._dispatch import IMPLEMENTATIONS, MEASURED, Measurement, check_implementation, use_kernels
-from ._explain import explain
-from ._passes import add_rms_norm_kernel, rms_norm_kernel
-from ._spec import KernelSpec
+from .._config import IMPLEMENTATIONS as IMPLEMENTATIONS
+from .._config import check_implementation as check_implementation
+from ._contract import KernelSpec as KernelSpec
+from ._dispatch import MEASURED as MEASURED
+from ._dispatch import Measurement as Measurement
+from ._dispatch import use_kernels as use_kernels
+from ._explain import explain as explain
+from ._ops import add_rms_norm_kernel as add_rms_norm_kernel
+from ._ops import rms_norm_kernel as rms_norm_kernel
 
 __all__ = [
     "IMPLEMENTATIONS",

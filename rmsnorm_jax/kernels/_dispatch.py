@@ -1,25 +1,22 @@
-"""Which path computes a call: XLA (``_vjp.py``) or the fused kernels, and why.
+"""Which path computes a call: the XLA path (``_xla/``) or the fused kernels, and why.
 
 ``implementation="xla"`` is the XLA path; ``"pallas"`` the fused kernels wherever the call
 fits them (otherwise XLA, see :func:`kernel_spec`); ``"auto"`` the kernels only where a
-measurement on hardware, recorded in :data:`MEASURED`, found them faster than XLA: on an
-NVIDIA H200, ``rms_norm`` at 1024-5120 features and ``add_rms_norm`` at 1024-8192, float32
-and bfloat16 (where this jax still ships Pallas-Triton); XLA everywhere else.
+measurement on hardware, recorded in :data:`MEASURED` with its results file, found them
+faster than XLA (``docs/kernels.md``), and XLA everywhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._spec import KernelSpec
-
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+from .._config import check_implementation
+from ._contract import KernelSpec
 
 KERNEL_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
@@ -31,12 +28,12 @@ class Measurement:
     Attributes:
       op: ``"rms_norm"`` or ``"add_rms_norm"``: the function whose kernels won.
       platform: ``"cuda"`` or ``"tpu"`` (``lax.platform_dependent``'s names).
+      backend: the kernels that won: ``"triton"``, ``"mosaic_gpu"`` or ``"mosaic_tpu"``.
       device_kind: a substring of ``jax.Device.device_kind`` (e.g. ``"H200"``).
       dtypes: the input dtype names it holds for.
       features: the inclusive range of features per row it holds for.
       min_bytes: the smallest ``x`` (bytes) measured; smaller calls stay on XLA.
-      source: where and when it was measured (device, jax, head, command, result file),
-        and the ratios.
+      source: the results file and the command that measured it (device, jax, head).
     """
 
     op: str
@@ -46,19 +43,18 @@ class Measurement:
     features: tuple[int, int]
     min_bytes: int
     source: str
+    backend: str = "triton"
 
 
 # The measured x of "32 MiB" is whole rows: 31.99 MiB at 5120 features.
 _SMALLEST = 31 * 2**20
-_H200 = (
-    "NVIDIA H200, jax 0.11.2, 2026-11-26, head 4ce9679: `python -m benchmarks ops --rounds 3` "
-    "(benchmarks/results/h200-4ce9679/h200-measured.json, CUPTI device time, x of 32 and "
-    "256 MiB at 1024, 4096, 5120 and 8192 features)"
+_H200_TRITON = (
+    "benchmarks/results/h200-4ce9679/h200-measured.json: `python -m benchmarks ops "
+    "--rounds 3` on an NVIDIA H200, jax 0.11.2, head 4ce9679 (docs/kernels.md)"
 )
 
-# The kernels' measured wins: "auto" takes them on these device kinds, dtypes and widths
-# only, and XLA everywhere else (other GPUs, TPUs, CPUs, float16, other widths; an H100
-# until a run there confirms it). See docs/kernels.md for the tables.
+# The kernels' measured wins (docs/kernels.md has the tables): "auto" takes them on these
+# device kinds, dtypes and widths only, and XLA everywhere else.
 MEASURED: tuple[Measurement, ...] = (
     Measurement(
         op="rms_norm",
@@ -67,11 +63,7 @@ MEASURED: tuple[Measurement, ...] = (
         dtypes=("float32", "bfloat16"),
         features=(1024, 5120),
         min_bytes=_SMALLEST,
-        source=_H200 + ": forward+backward 0.79-0.95x the XLA path at 1024-5120 features "
-        "(forward alone 0.91-1.01x); 1.03-1.18x at 8192, which stays on XLA. The kernels "
-        "alone at 2048 and 3072 (`python -m benchmarks.kernel_sizes`, "
-        "benchmarks/results/h200-4ce9679/kernel-sizes-NVIDIA-H200-2048-3072-6144-7168.json) "
-        "0.82-0.94x XLA's forward+backward; at 6144 about even: XLA.",
+        source=_H200_TRITON,
     ),
     Measurement(
         op="add_rms_norm",
@@ -80,20 +72,9 @@ MEASURED: tuple[Measurement, ...] = (
         dtypes=("float32", "bfloat16"),
         features=(1024, 8192),
         min_bytes=_SMALLEST,
-        source=_H200 + ": forward+backward 0.73-0.96x the XLA path, forward alone 0.76-0.85x, "
-        "at every shape measured.",
+        source=_H200_TRITON,
     ),
 )
-
-
-def check_implementation(implementation: Any) -> str:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}: "
-            f"'xla' for the XLA path, 'pallas' for the fused kernels, 'auto' to let the "
-            f"library choose from measurements."
-        )
-    return implementation
 
 
 def _row_param(param, n: int) -> bool:
@@ -142,7 +123,7 @@ def kernel_spec(cfg, x, scale, bias, mask) -> KernelSpec | None:
     )
 
 
-def _target_device() -> tuple[str, str]:
+def target_device() -> tuple[str, str]:
     """(platform, device kind) of the device being compiled for: the abstract mesh's
     (``rmsnorm_jax.aot`` targets, ``jax.set_mesh``), else the default device's.
     A CUDA device's platform reads ``"gpu"``; it is named ``"cuda"`` here."""
@@ -157,20 +138,27 @@ def _target_device() -> tuple[str, str]:
     return ("cuda" if platform == "gpu" else platform), device.device_kind
 
 
-def triton_available() -> bool:
-    """Whether this jax ships the Pallas-Triton backend (deprecated since jax 0.11)."""
+def triton_quiet() -> bool:
+    """Whether this jax ships Pallas-Triton without deprecating it (jax < 0.11): from
+    jax 0.11 on, every Triton lowering warns, and ``"auto"`` never takes Triton there."""
     try:
         from jax.experimental.pallas import triton  # noqa: F401
     except ImportError:
         return False
-    return True
+    major, minor = (int(part) for part in jax.__version__.split(".")[:2])
+    return (major, minor) < (0, 11)
+
+
+def backend_usable(backend: str) -> bool:
+    """Whether ``"auto"`` may take ``backend``'s kernels with this jax."""
+    return backend != "triton" or triton_quiet()
 
 
 def measured_win(op: str, spec: KernelSpec, x, device=None) -> Measurement | None:
     """The :data:`MEASURED` win for this call, or None. ``x``: the input (an array or
     ``jax.ShapeDtypeStruct``); ``device``: ``(platform, device kind)``, by default the
     device being compiled for."""
-    platform, kind = _target_device() if device is None else device
+    platform, kind = target_device() if device is None else device
     x_dtype = np.dtype(x.dtype)
     x_bytes = math.prod(x.shape) * x_dtype.itemsize
     for m in MEASURED:
@@ -181,7 +169,7 @@ def measured_win(op: str, spec: KernelSpec, x, device=None) -> Measurement | Non
             and np.dtype(x_dtype).name in m.dtypes
             and m.features[0] <= spec.n <= m.features[1]
             and x_bytes >= m.min_bytes
-            and (m.platform != "cuda" or triton_available())
+            and backend_usable(m.backend)
         ):
             return m
     return None

@@ -7,14 +7,8 @@ import math
 
 import jax.numpy as jnp
 
-from .._config import norm_config
-from ._dispatch import (
-    _target_device,
-    check_implementation,
-    kernel_spec,
-    measured_win,
-    why_not_kernels,
-)
+from .._config import check_implementation, norm_config
+from ._dispatch import kernel_spec, measured_win, target_device, why_not_kernels
 
 
 def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas", **kwargs) -> str:
@@ -37,7 +31,7 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
     >>> print(explain(x, mask=jnp.ones((8, 16384), bool)))
     xla: the kernels do not take a mask
     """
-    from . import gpu
+    from . import triton
 
     implementation = check_implementation(implementation)
     if implementation == "xla":
@@ -64,7 +58,7 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
     if implementation == "auto":
         win = measured_win("rms_norm", spec, x)
         if win is None:
-            platform, kind = _target_device()
+            platform, kind = target_device()
             return (
                 f"xla: 'auto' takes the kernels only where rmsnorm_jax.kernels.MEASURED "
                 f"holds a measured win, and none is for {kind} ({platform}), "
@@ -73,7 +67,7 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
             )
         return f"auto: the kernels on {win.platform} (measured: {win.source}), XLA elsewhere"
     rows = math.prod(x.shape[:-1])
-    fits = gpu.fits(spec, rows, dtype)  # the CPU's interpret mode runs the Triton kernels
+    fits = triton.fits(spec, rows, dtype)  # the CPU's interpret mode runs the Triton kernels
     triton = "Triton" if fits else "XLA (the row does not fit the Triton kernels)"
     interpret = "interpret mode" if fits else triton
     return (

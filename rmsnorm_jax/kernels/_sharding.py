@@ -22,7 +22,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._vjp import _explicit_spec
+from .._types import explicit_spec
 
 # What each output of a row-wise call is: "rows" has x's shape, "stat" x's shape with a
 # last dim of 1, "sum" is a parameter gradient of shape (n,), summed over all rows.
@@ -42,7 +42,7 @@ def rowwise(local: Local, rows: list, params: list, kinds: Sequence[str]) -> tup
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
         return tuple(local(rows, params))
-    spec = _explicit_spec(jax.typeof(x))
+    spec = explicit_spec(jax.typeof(x))
     if spec is not None:
         return _shard_mapped(local, rows, params, kinds, jax.typeof(x).sharding.mesh, spec)
     return _custom_partitioned(local, rows, params, kinds)

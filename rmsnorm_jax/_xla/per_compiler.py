@@ -1,10 +1,12 @@
-"""What differs per compiler: chosen when a program is lowered, not when it is traced.
+"""What differs per compiler on the XLA path: chosen when a program is lowered, not when
+it is traced.
 
-The maths of each pass lives in ``_vjp.py``, once. This file holds the few lines that
-exist for one backend only, each with the measurement that put it there. The choice is
-made by ``lax.platform_dependent``, which lowers only the branch of the platform being
-compiled for, so a TPU or GPU program compiled from a CPU process (``rmsnorm_jax.aot``)
-gets the accelerator expression and never sees a CPU workaround.
+The maths of each pass lives in ``passes.py``, once. This file holds the few forms that
+exist for one backend only; why each is there, and what it was measured against, is in
+``docs/xla-programs.md`` and ``docs/cpu.md``. The choice is made by
+``lax.platform_dependent``, which lowers only the branch of the platform being compiled
+for, so a TPU or GPU program compiled from a CPU process (``rmsnorm_jax.aot``) gets the
+accelerator form and never sees a CPU workaround. None of them changes a rounding.
 """
 
 from __future__ import annotations
@@ -15,19 +17,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ._rounding import added
+from .._rounding import added
+from .._types import vma
 
 
 def cpu_barrier(operands):
     """``lax.optimization_barrier(operands)`` on XLA:CPU; the operands unchanged elsewhere.
 
-    Each pass of the forward and backward rules reads ``x`` (and ``dy``) through one,
-    so that XLA:CPU fuses every pass with its own dtype casts and broadcasts instead of
-    materialising full-size float32 copies shared between passes (measured on XLA:CPU:
-    the backward 1.5x to 3.5x faster, bfloat16 forwards of wide rows 3x to 7x).
-    On GPU and TPU a barrier does harm: on H100 it splits the forward's single fused
-    kernel into three (1.55x slower by XLA's cost model), and on TPU v5e it costs
-    33-44 % more estimated cycles for forward+backward.
+    Each pass reads ``x`` (and ``dy``) through one, so that XLA:CPU fuses every pass with
+    its own casts and broadcasts instead of sharing full-size float32 copies
+    (``docs/cpu.md``); on GPU and TPU a barrier splits fusions (``docs/xla-programs.md``).
     """
     return lax.platform_dependent(operands, cpu=_barrier, default=_same_vma)
 
@@ -38,12 +37,6 @@ def _barrier(operands):
     # union here, the outputs have the same types on every version, and the same as
     # the other branch's.
     return _same_vma(lax.optimization_barrier(operands))
-
-
-def vma(aval) -> frozenset:
-    """Mesh axes along which a value of type ``aval`` varies inside ``shard_map``."""
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()
 
 
 def _same_vma(operands):
@@ -73,15 +66,11 @@ def on_backend(operands, *, gpu, tpu, default):
 def residual_sum(x: jax.Array, residual: jax.Array, dtype) -> jax.Array:
     """``h = x.astype(dtype) + residual.astype(dtype)``, the one ``h`` every reader sees.
 
-    XLA:CPU and XLA:TPU compute a 16-bit sum in float32 and, with excess precision,
-    let the statistic read the unrounded sum while the ``h`` written is rounded (TPU
-    v5e, deviceless: one fusion writes ``convert(add)`` to bfloat16 and reduces the
-    float32 ``add``); ``_rounding.added`` keeps every rounding there, at no cost in
-    kernels or in the TPU compiler's estimate. XLA:GPU writes ``h`` from a kernel of
-    its own and the normalisation reads it back (H100, deviceless: bfloat16, float32 +
-    bfloat16 and float32 -> float16), so ``h`` is rounded already; there the kept
-    float16 rounding (a subnormal branch) made XLA recompute ``h`` from both inputs
-    inside the normalisation (forward 1.18x by its cost model), so GPUs get the sum.
+    XLA:CPU and XLA:TPU compute a 16-bit sum in float32 and, with excess precision, may
+    let the statistic read the unrounded sum: ``_rounding.added`` keeps every rounding
+    there. XLA:GPU writes ``h`` from a kernel of its own, rounded already, and the kept
+    float16 rounding would make it recompute ``h`` inside the normalisation, so GPUs get
+    the plain sum (``docs/llm-layers.md``).
     """
     if jnp.finfo(dtype).bits >= 32:
         return added(x, residual, dtype, keep=False)  # no rounding to keep
@@ -95,14 +84,9 @@ def residual_sum(x: jax.Array, residual: jax.Array, dtype) -> jax.Array:
 def tpu_column_sum(prod: jax.Array, keep: tuple[int, ...]) -> jax.Array:
     """``sum(prod)`` over the axes not in ``keep`` (size-1 dims kept): for TPUs.
 
-    The scale gradient's sum over rows. The generic form, a ``dot_general`` with the
-    features as its batch axis, puts that axis first, so XLA:TPU sums a transposed
-    (features, rows) operand and does not merge the sum into the backward's other
-    passes over ``x`` and ``dy``: one extra fusion per norm, which recomputes its
-    producers. As a plain reduction it joins the ``dx`` pass as it does for flax: in
-    the Gemma-3-style train step (``benchmarks/models.py``, TPU v5e, 18 blocks, batch
-    4 x 1024) the whole step from 132.2M to 128.3M estimated cycles, its non-matmul
-    part from 54.3M to 50.4M, and 19 fusions fewer.
+    The scale gradient's sum over rows as a plain reduction: the generic ``dot_general``
+    puts the features first, and XLA:TPU then does not merge the sum into the backward's
+    other passes (one more fusion per norm; ``docs/xla-programs.md``).
     """
     contract = tuple(i for i in range(prod.ndim) if i not in keep)
     return jnp.sum(prod, contract, keepdims=True)
@@ -127,20 +111,13 @@ def row_groups(rows: int, rows_per_group: int = 128) -> int:
 
 
 # The first stage's parallelism is groups x columns partial sums; below about 64k of
-# them an H100 is underfilled.
+# them an H100 is underfilled (docs/xla-programs.md).
 _PARTIAL_SUMS = 65536
 
 
 def rows_per_group(rows: int, columns: int) -> int:
     """Rows per group of a two-stage column sum: enough groups for ``_PARTIAL_SUMS``
-    partial sums, as a power of two from 16 to 128.
-
-    By XLA's H100 cost model (forward+backward of ``rms_norm``, rows 256..65536 and
-    columns 256..8192, bfloat16 and float32: 87 shapes) this puts ours within 0.6 % of
-    the best of flax RMSNorm, flax LayerNorm and plain autodiff, or below it, on every
-    shape. Fixed groups of 128 rows (or one stage below 1024 x 1024) were up to 2.04x
-    the best peer (512 x 2048 float32) and 1.44x (256 x 4096 bfloat16). Every benchmark
-    shape (x of 32 MiB) keeps 128.
+    partial sums, as a power of two from 16 to 128 (smaller inputs, smaller groups).
 
     >>> rows_per_group(256, 4096), rows_per_group(1024, 4096), rows_per_group(4096, 4096)
     (16, 64, 128)
@@ -152,17 +129,12 @@ def rows_per_group(rows: int, columns: int) -> int:
 
 
 def two_stage_column_sum(prod: jax.Array, keep: tuple[int, ...]) -> jax.Array:
-    """``sum(prod)`` over the axes not in ``keep``, the leading ones in two stages.
+    """``sum(prod)`` over the axes not in ``keep``, the leading ones in two stages: for GPUs.
 
-    For GPUs. XLA:GPU sums a tall matrix over its rows (the scale gradient) with one
-    kernel whose parallelism is the number of columns: by its own cost model 33 % of
-    the bandwidth bound at 4096 x 4096 bfloat16, and fused with the ``dx`` pass the
-    H100 backward ran at 26-48 % of the bound for 4096-8192 features. Summing groups of
-    about 128 rows first, then the group partials, reaches 91-96 % alone and brings
-    forward+backward to 62-67 % of the bound on every benchmark shape; smaller inputs
-    get smaller groups (:func:`rows_per_group`). The
-    ``reduce_precision`` to the partials' own format changes no bit; it only keeps
-    XLA's algebraic simplifier from merging the two sums back into one.
+    XLA:GPU sums a tall matrix over its rows with one kernel whose parallelism is the
+    number of columns; summing groups of rows first, then the group partials, keeps the
+    GPU busy (``docs/xla-programs.md``). The ``reduce_precision`` to the partials' own
+    format changes no bit; it keeps XLA's simplifier from merging the two sums again.
     """
     contract = tuple(i for i in range(prod.ndim) if i not in keep)
     lead = 0
@@ -172,9 +144,7 @@ def two_stage_column_sum(prod: jax.Array, keep: tuple[int, ...]) -> jax.Array:
     columns = math.prod(prod.shape[i] for i in keep)
     per_group = rows_per_group(rows, columns)
     if per_group == 128:
-        # Large sums: groups of about 128 rows where XLA's H100 cost model (rows and
-        # columns in 256..8192) has two stages cheaper than one (0.42-0.90x): with
-        # >= 4096 columns, >= 2048 rows, or >= 1024 of both.
+        # Large sums: two stages only where XLA's H100 cost model has them cheaper.
         large = columns >= 4096 or rows >= 2048 or (rows >= 1024 and columns >= 1024)
         groups = row_groups(rows) if lead and large else 1
     else:

@@ -1,6 +1,7 @@
-"""The contract between the dispatch (``kernels/__init__.py``) and each backend's kernels.
+"""The contract between the launch (``_launch.py``) and each backend's kernels.
 
-A backend module (``gpu.py``: Pallas-Triton; ``tpu.py``: Pallas Mosaic TPU) exposes
+A backend module (``triton.py``: Pallas-Triton; ``mosaic_tpu.py``: Pallas Mosaic TPU)
+exposes
 
     fits(spec, rows, x_dtype) -> bool
         whether a block of whole rows of ``spec.n`` features fits the kernel (features
@@ -12,7 +13,7 @@ A backend module (``gpu.py``: Pallas-Triton; ``tpu.py``: Pallas Mosaic TPU) expo
         With ``residual``: h = x.astype(h_dtype) + residual.astype(h_dtype) is the row
         that is normalized and is returned; otherwise h is None and x is normalized.
         y: (rows, n) in spec.out_dtype; stat: (rows,) float32, the per-row residual of
-        the XLA core (``_vjp.py``): rsqrt(ms + eps) for "inside", sqrt(ms) for
+        the XLA path (``_xla/passes.py``): rsqrt(ms + eps) for "inside", sqrt(ms) for
         "outside", ms = mean of the squares of the first spec.k features.
         One pass: reads x (and residual) once, writes y (and h) once.
 
@@ -26,7 +27,7 @@ A backend module (``gpu.py``: Pallas-Triton; ``tpu.py``: Pallas Mosaic TPU) expo
         spec.has_scale / spec.has_bias is False); the caller sums them over axis 0.
         One pass: reads x, dy (and dh) once, writes dx once.
 
-The maths is ``../shared/FACTS.md``'s and the per-row helpers below are shared by every
+The maths is ``docs/derivatives.md``'s; the per-row helpers below are shared by every
 backend's kernel body, so that the kernels and the XLA path compute the same formula.
 """
 
@@ -104,7 +105,7 @@ def normalized(spec, xf, stat, scale_f, bias_f):
 
 
 def input_grad(spec, xf, dyf, stat, scale_f, col):
-    """dx (float32) of one block of rows (FACTS.md):
+    """dx (float32) of one block of rows (``docs/derivatives.md``):
 
     dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j * x_j * r,
     gdy = (scale + offset) * dy, alpha = r (inside) or 1/s (outside; 0 where s == 0).

@@ -1,8 +1,8 @@
 """Pallas-Triton kernels for NVIDIA GPUs: RMSNorm in one pass forward and one pass backward.
 
-The contract is ``_spec.py``'s (``fits``, ``forward``, ``backward``); the maths is its
+The contract is ``_contract.py``'s (``fits``, ``forward``, ``backward``); the maths is its
 per-row helpers, called on float32 blocks inside the kernel bodies, so these kernels and
-the XLA path of ``_vjp.py`` compute the same formula:
+the XLA path (``_xla/passes.py``) compute the same formula:
 
     ms   = (1/k) sum_{i<k} x_i^2           (float32, the first k of the n features)
     stat = rsqrt(ms + eps)  ("inside")  or  sqrt(ms)  ("outside")
@@ -17,8 +17,8 @@ Memory schedule (one HBM pass each way):
 - forward: a grid of ``cdiv(rows, block_rows)`` programs; each loads ``block_rows`` whole
   rows once (x, and the residual for ``add_rms_norm``), keeps them in registers, and writes
   y (and h) and the per-row statistic. Nothing else of full size is read or written.
-- backward: a persistent grid of a fixed number of programs (:func:`backward_programs`,
-  a few per H100 SM); program ``p`` walks the row blocks ``p, p + P, p + 2P, ...``, reads
+- backward: a persistent grid of a fixed number of programs (``triton_sizing.py``, a
+  few per SM); program ``p`` walks the row blocks ``p, p + P, p + 2P, ...``, reads
   x, dy (and dh) and the statistic once, writes dx, and accumulates the scale and bias
   gradients of its rows in registers. It writes one float32 row of partial sums per
   program, shape ``(programs, n)``, which the caller sums over axis 0: deterministic
@@ -31,10 +31,10 @@ never enter the partial sums.
 
 ``interpret=True`` runs the same kernel bodies on CPU in Pallas interpret mode (tests).
 
-Example (interpret mode, on CPU; FACTS.md's first worked example)::
+Example (interpret mode, on CPU; the mean square of the first row is 7.5)::
 
 >>> import jax.numpy as jnp, numpy as np
->>> from rmsnorm_jax.kernels._spec import KernelSpec
+>>> from rmsnorm_jax.kernels import KernelSpec
 >>> spec = KernelSpec(n=4, k=4, eps=0.0, inside=True, scale_offset=0.0,
 ...                   has_scale=False, has_bias=False, out_dtype=np.dtype("float32"))
 >>> x = jnp.array([[1.0, 2.0, 3.0, 4.0], [-1.0, -2.0, -3.0, -4.0]])
@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .._rounding import added
-from ._spec import (
+from ._contract import (
     KernelSpec,
     input_grad,
     inv_rms,
@@ -66,142 +66,27 @@ from ._spec import (
     out_struct,
     stat_from_ms,
 )
+from .triton_sizing import (
+    MAX_FEATURES,
+    backward_programs,
+    backward_warps,
+    block_sizes,
+    num_warps,
+    warps_or_default,
+)
 
-__all__ = [
-    "backward",
-    "backward_programs",
-    "backward_warps",
-    "default_block_rows",
-    "fits",
-    "forward",
-    "num_warps",
-    "padded_features",
-]
+__all__ = ["backward", "fits", "forward"]
 
 _F32 = jnp.float32
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
-# ---------------------------------------------------------------- block sizing
-#
-# A program holds its block of rows in registers, in float32 once loaded. Triton needs
-# power-of-two blocks, so a row of n features is a block of ``padded_features(n)``
-# columns (5120 is padded to 8192, 3000 to 4096) with masked loads and stores.
-#
-# - Rows per block: _BLOCK_ELEMENTS (4096) // padded features, at least 1 (1 row for
-#   n >= 4096, 4 rows for n = 1000, 32 rows for n = 128): short rows still give a
-#   program 16 KiB of float32 in flight.
-# - num_warps (the forward's, and the backward's up to 4096 features): 16 float32
-#   elements per thread per array, between 1 and 8 warps (Triton's LayerNorm tutorial's
-#   shape). The forward's warps were 16 for one row padded to 8192 until the H200 sweep
-#   below: 8 warps are as fast or faster at every width there (bfloat16 n = 5120:
-#   21.7 against 24.3 us).
-# - The backward is persistent: a fixed grid of programs, each walking the row blocks
-#   ``p, p + P, ...`` and keeping its scale/bias gradient sums in registers, so it writes
-#   one float32 row of partial sums per program. Its (warps, programs per SM) come from
-#   _BACKWARD_SIZING, by padded width, measured on an H200 (132 SMs, jax 0.11.2): the
-#   kernels alone, CUPTI device time, x of 32 MiB, every (warps, programs) pair of
-#   {default, 4, 8} x {1, 2, 4 per SM, one per row block}
-#   (``python -m benchmarks.kernel_sizes``, benchmarks/results/kernel-sizes-h200.json):
-#
-#   padded 4096: 8 warps, 2 programs per SM. float32 4096 (2048 rows) 29.7 us against
-#     40.4 with the former 1 per SM (the former rule dropped to one per SM below 8 rows a
-#     program; 7.75 rows a program is faster); bfloat16 4096: 33.6 (as before).
-#   padded 8192, n <= 6144: 4 warps, 2 programs per SM. bfloat16 5120: 34.2 us against
-#     47.2 with the former 16 warps x 1 per SM; float32 5120: 32.3 against 38.0.
-#   padded 8192, n > 6144: 8 warps, 1 program per SM. bfloat16 8192: 43.8 against 45.5
-#     (4 warps: 66-77, they spill); float32 8192: 36.6 against 36.3.
-#
-#   Why, from ``ptxas -v`` (sm_90a) on the deviceless H100 compile's PTX (jax 0.10.2),
-#   registers a thread of the backward (none spills unless said): bfloat16 5120: 4 warps
-#   237, 8 warps 152, 16 warps 108; float32 5120: 232, 128, 80; bfloat16 8192: 255 and
-#   476 bytes of spills, 192, 108; float32 8192: 255 and 376 bytes of spills, 193, 110.
-#   An SM has 65536 registers, so two programs fit on one SM only at 5120 with 4 warps
-#   (2 x 128 x 237) or float32 5120 with 8 (2 x 256 x 128); those are the fast pairs at
-#   two programs an SM, and every pair that leaves a second wave (bfloat16 5120 with 8
-#   warps and 264 programs: 49.2 us) or one program an SM is slower. A program syncs its
-#   warps for each row's sums; a second resident program keeps the SM's loads going
-#   meanwhile (the likely reason; not profiled). At 8192 no width of program fits twice
-#   without spilling: one an SM, 8 warps.
-# - _MAX_FEATURES = 8192: at 16384 the backward reaches 128 registers a thread at 16
-#   warps and spills 204-2056 bytes a thread (ptxas -v, sm_90a, deviceless H100 compile,
-#   jax 0.10.2); the forward never spills. Wider rows stay on XLA (``fits`` is False).
-# - At most one program per row block, and at least _MIN_ROWS_PER_PROGRAM (4) rows a
-#   program while that leaves one program per SM or more (1024 rows of 4096 get 132).
-#
-# Nothing here is autotuned; ``block_rows``, ``warps`` and ``programs`` can be
-# overridden per call.
-
-_BLOCK_ELEMENTS = 4096
-_ELEMENTS_PER_THREAD = 16
-_MAX_WARPS = 8
-_MAX_FEATURES = 8192
-_DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
-_MIN_ROWS_PER_PROGRAM = 4
-# (largest n, warps or None for num_warps, programs per SM), by padded width.
-_BACKWARD_SIZING = ((4096, None, 2), (6144, 4, 2), (8192, 8, 1))
-# Interpret mode copies the whole array for every block it loads (CPU tests), so there
-# blocks grow until a call has at most this many.
-_INTERPRET_MAX_BLOCKS = 64
-
-
-def padded_features(n: int) -> int:
-    """The block's columns: n rounded up to a power of two (at least 16)."""
-    return max(16, pl.next_power_of_2(n))
-
-
-def default_block_rows(n: int, rows: int) -> int:
-    """Rows per block: ``_BLOCK_ELEMENTS // padded_features(n)``, at least 1, and no
-    more than ``rows`` rounded up to a power of two (a 3-row call gets blocks of 4)."""
-    per_block = max(1, _BLOCK_ELEMENTS // padded_features(n))
-    return min(per_block, pl.next_power_of_2(max(rows, 1)))
-
-
-def num_warps(n: int, rows_per_block: int) -> int:
-    """Warps per program: 16 float32 elements per thread, between 1 and 8 warps."""
-    elements = rows_per_block * padded_features(n)
-    return int(min(max(elements // (32 * _ELEMENTS_PER_THREAD), 1), _MAX_WARPS))
-
-
-def multiprocessors() -> int:
-    """The SMs of the GPU being compiled for: the device of the abstract mesh being
-    traced for (``rmsnorm_jax.aot`` targets, ``jax.set_mesh``), else the default GPU,
-    else an H100's 132."""
-    try:
-        cores = getattr(jax.sharding.get_abstract_mesh().abstract_device, "num_cores", None)
-    except (AttributeError, ValueError):  # no mesh, or one without a device kind
-        cores = None
-    if not cores:
-        device = jax.devices()[0]
-        cores = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return int(cores) if cores and cores > 1 else _DEFAULT_SMS
-
-
-def backward_warps(n: int, rows_per_block: int) -> int:
-    """The backward's warps per program (``_BACKWARD_SIZING``)."""
-    for largest, warps, _ in _BACKWARD_SIZING:
-        if n <= largest:
-            return num_warps(n, rows_per_block) if warps is None else warps
-    return num_warps(n, rows_per_block)
-
-
-def backward_programs(n: int, rows: int, rows_per_block: int, sms: int | None = None) -> int:
-    """The backward's persistent programs: ``_BACKWARD_SIZING``'s programs per SM on
-    each of the ``sms`` SMs (default :func:`multiprocessors`), fewer (down to one per
-    SM) where a program would get fewer than 4 rows, at most one per row block, and
-    above one per SM a whole multiple of the SMs (no partial wave)."""
-    sms = multiprocessors() if sms is None else sms
-    per_sm = next((p for largest, _, p in _BACKWARD_SIZING if n <= largest), 1)
-    enough_rows = max(sms, pl.cdiv(rows, _MIN_ROWS_PER_PROGRAM))
-    programs = max(1, min(pl.cdiv(rows, rows_per_block), sms * per_sm, enough_rows))
-    return programs // sms * sms if programs > sms else programs
-
 
 def fits(spec: KernelSpec, rows: int, x_dtype, **call_dtypes) -> bool:
     """Whether these kernels take the call: float32, bfloat16 or float16 input and
-    output, at least one row, and at most 8192 features (see the block sizing above:
-    wider rows spill registers in the backward, so they stay on XLA). The call's other
-    dtypes (``kind``, ``residual_dtype``, ``h_dtype``, ``dx_dtype``, as ``tpu.fits``
-    takes them) do not change it.
+    output, at least one row, and at most ``triton_sizing.MAX_FEATURES`` (8192) features
+    (wider rows spill registers in the backward, so they stay on XLA). The call's other
+    dtypes (``kind``, ``residual_dtype``, ``h_dtype``, ``dx_dtype``, as
+    ``mosaic_tpu.fits`` takes them) do not change it.
 
     >>> import numpy as np
     >>> spec = KernelSpec(n=16384, k=16384, eps=1e-6, inside=True, scale_offset=0.0,
@@ -212,37 +97,9 @@ def fits(spec: KernelSpec, rows: int, x_dtype, **call_dtypes) -> bool:
     return (
         np.dtype(x_dtype) in _DTYPES
         and np.dtype(spec.out_dtype) in _DTYPES
-        and 1 <= spec.k <= spec.n <= _MAX_FEATURES
+        and 1 <= spec.k <= spec.n <= MAX_FEATURES
         and 1 <= rows < 2**31
     )
-
-
-def _sizes(spec: KernelSpec, rows: int, rows_per_block, interpret: bool) -> tuple[int, int]:
-    """(padded features, rows per block) of a call."""
-    npad = padded_features(spec.n)
-    if rows_per_block is None:
-        rows_per_block = default_block_rows(spec.n, rows)
-        if interpret:
-            while pl.cdiv(rows, rows_per_block) > _INTERPRET_MAX_BLOCKS:
-                rows_per_block *= 2
-    elif rows_per_block < 1 or rows_per_block & (rows_per_block - 1):
-        raise ValueError(
-            f"block_rows must be a positive power of two (Triton's block shapes are), got "
-            f"{rows_per_block}; pass e.g. {pl.next_power_of_2(max(rows_per_block, 1))}, or "
-            f"None for the default sizing."
-        )
-    return npad, rows_per_block
-
-
-def _warps(warps: int | None, default: int) -> int:
-    if warps is None:
-        return default
-    if warps < 1 or warps & (warps - 1) or warps > 32:
-        raise ValueError(
-            f"warps must be a power of two from 1 to 32 (Triton's num_warps), got {warps}; "
-            f"pass None for the default sizing."
-        )
-    return warps
 
 
 # ---------------------------------------------------------------- argument checks
@@ -435,7 +292,7 @@ def forward(
     _check_param("scale", scale, spec.has_scale, spec)
     _check_param("bias", bias, spec.has_bias, spec)
     out_dtype = _check_out_dtype("spec.out_dtype", spec.out_dtype)
-    npad, rows_per_block = _sizes(spec, rows, block_rows, interpret)
+    npad, rows_per_block = block_sizes(spec.n, rows, block_rows, interpret)
 
     inputs = [a for a in (x, residual, scale, bias) if a is not None]
     out_shape = [out_struct((rows, spec.n), out_dtype, x), out_struct((rows,), _F32, x)]
@@ -455,7 +312,7 @@ def forward(
         out_shape=out_shape,
         grid=(pl.cdiv(rows, rows_per_block),),
         compiler_params=plgpu.CompilerParams(
-            num_warps=_warps(warps, num_warps(spec.n, rows_per_block))
+            num_warps=warps_or_default(warps, num_warps(spec.n, rows_per_block))
         ),
         interpret=interpret,
         name="rms_norm_forward",
@@ -511,7 +368,7 @@ def backward(
         )
     _check_param("scale", scale, spec.has_scale, spec)
     dx_dtype = _check_out_dtype("dx_dtype", dx_dtype)
-    npad, rows_per_block = _sizes(spec, rows, block_rows, interpret)
+    npad, rows_per_block = block_sizes(spec.n, rows, block_rows, interpret)
     blocks = pl.cdiv(rows, rows_per_block)
     if programs is None:
         programs = backward_programs(spec.n, rows, rows_per_block)
@@ -540,7 +397,7 @@ def backward(
         out_shape=out_shape,
         grid=(programs,),
         compiler_params=plgpu.CompilerParams(
-            num_warps=_warps(warps, backward_warps(spec.n, rows_per_block))
+            num_warps=warps_or_default(warps, backward_warps(spec.n, rows_per_block))
         ),
         interpret=interpret,
         name="rms_norm_backward",

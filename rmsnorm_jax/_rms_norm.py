@@ -1,5 +1,5 @@
-"""``rms_norm``: the public function; its arguments are checked in ``_config.py`` and it
-calls the differentiable core (``_vjp.py``) or the kernels."""
+"""``rms_norm``, the public function: its arguments are checked by ``_config.py``, and it
+calls the XLA path (``_xla/rms_norm.py``) or the kernels (``kernels/``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 
 from . import kernels
 from ._config import as_float_array, norm_config
-from ._vjp import rms_norm_core
+from ._xla import rms_norm_core
 
 
 def rms_norm(

@@ -14,7 +14,7 @@ is the norm's backward rule ``B(res; dy)``. So:
   every pass: remat, sharding, ``jax.jit`` of a vjp function);
 - differentiating ``B`` again (forward-over-reverse, grad-of-grad, ``hessian``), or ``T``
   with respect to the residuals, is jax's own autodiff of their operations (a Pallas
-  kernel in them differentiates as its XLA twin: ``kernels._passes._with_xla_derivative``).
+  kernel in them differentiates as its XLA twin: ``kernels/_launch.py``).
 
 jax's ``jax.custom_derivatives.linear_call`` does the custom transpose too, but has no
 batching rule and refuses tangents on its residuals (jax 0.10), which ``vmap``,

@@ -1,9 +1,5 @@
-"""``add_rms_norm`` and ``gated_rms_norm``, the fused variants of today's LLM layers: their
-argument checks, and the call into the cores (``_fused_vjp.py``) or the kernels.
-
-The statistic, the normalisation and the analytic backward are the core's
-(:func:`row_statistic`, :func:`normalized`, :func:`backward_parts` in ``_vjp.py``); only
-the elementwise glue around them lives in ``_fused_vjp.py``.
+"""``add_rms_norm`` and ``gated_rms_norm``, the norms of today's LLM layers: their
+argument checks, and the call into the XLA path (``_xla/``) or the kernels (``kernels/``).
 """
 
 from __future__ import annotations
@@ -19,20 +15,13 @@ from . import kernels
 from ._config import (
     as_float_array,
     check_dtype,
+    check_implementation,
     check_param,
     norm_config,
     normalize_axes,
     static_float,
 )
-from ._fused_vjp import (
-    ACTIVATIONS,
-    AddConfig,
-    GateConfig,
-    add_rms_norm_core,
-    gated_rms_norm_core,
-)
-
-# ---------------------------------------------------------------- public functions
+from ._xla import ACTIVATIONS, AddConfig, GateConfig, add_rms_norm_core, gated_rms_norm_core
 
 
 def _check_like_x(name: str, value: Any, x: jax.Array) -> jax.Array:
@@ -207,7 +196,7 @@ def gated_rms_norm(
     """
     x = as_float_array("x", x)
     gate = _check_like_x("gate", gate, x)
-    kernels.check_implementation(implementation)
+    check_implementation(implementation)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
     if not isinstance(norm_before_gate, bool):

@@ -1,0 +1,237 @@
+"""How the Mosaic GPU kernels cut a call (:func:`plan`) and whether they take it (:func:`fits`).
+
+A row of n features is viewed as ``(J, S)``: J splits of S features, S <= 256 (a TMA box
+holds at most 256 elements along each axis), so that a block of R rows is one TMA copy of
+shape ``(R, J, S)``. The kernels compute on register chunks of shape ``(T, S)`` in a
+layout where each thread holds vectors of ``v`` consecutive features (``v * 4`` bytes of
+float32 at most: 16-byte shared-memory transfers), ``lanes`` lanes of a warp span a chunk's
+S features and ``32 / lanes`` of its rows, and the 4 warps of the warpgroup split its rows:
+
+- ``split=False`` (row tiles, narrow rows): a chunk is T rows of one split; a row's sum is
+  reduced in registers over its splits, then across the lanes of its warp.
+- ``split=True`` (one row per block, wide rows): a chunk is T splits of one row; its sum is
+  reduced over the chunk's elements, then across the 4 warps (through shared memory).
+
+Nothing here is tuned on a GPU (none was at hand): the constants below are first choices
+from the H100's limits, each with its reason, for a GPU run to revisit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+
+from ._contract import KernelSpec
+
+__all__ = ["Plan", "fits", "plan"]
+
+# Dynamic shared memory a block may use on sm_90 (227 KiB, cudaFuncAttribute max), less
+# what Mosaic GPU adds (barriers, 512 bytes of cross-warp reduction scratch, alignment).
+SMEM_BYTES = 227 * 1024 - 2048
+# Shared memory of one SM (228 KiB), of which each resident block also reserves 1 KiB.
+_SM_SMEM_BYTES = 228 * 1024
+# Float32 elements of one array per thread in a chunk: the forward's chunk math holds a
+# few such arrays, the backward's about eight (x, dy, dx, dh, two sums), under 128
+# registers a thread, so that 4 warpgroups may share an SM.
+_CHUNK_ELEMENTS = {"forward": 16, "backward": 8}
+# Features of a block of rows staged at once (narrow rows): 32 KiB of float32, so that one
+# TMA copy moves enough bytes to keep the memory system busy.
+_BLOCK_ELEMENTS = 8192
+# Widest row kept in row tiles; wider rows take one row per block (a tile of 8 rows of
+# 4096 features would not leave room for the backward's partial sums in shared memory).
+_MAX_TILE_FEATURES = 2048
+# Blocks (warpgroups) resident on one SM: enough to overlap one block's TMA copies with
+# another's arithmetic; more would cap registers below 128 a thread.
+_MAX_BLOCKS_PER_SM = 4
+_DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
+_DTYPES = (np.dtype(np.float32), np.dtype("bfloat16"), np.dtype(np.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static schedule of one kernel call.
+
+    Attributes:
+      kind: ``"forward"`` or ``"backward"``.
+      split: one row per block, chunks across its splits (else row tiles).
+      S, J: a row is J splits of S features.
+      v: features per vector a thread holds; lanes: lanes across S.
+      T: rows (row tiles) or splits (``split``) of a register chunk.
+      R: rows per block (one TMA copy per staged array).
+      slots: staging buffers per staged array (2: the next block loads during this one).
+      smem: shared-memory bytes of one block.
+    """
+
+    kind: str
+    split: bool
+    S: int
+    J: int
+    v: int
+    lanes: int
+    T: int
+    R: int
+    slots: int
+    smem: int
+
+    @property
+    def tiles(self) -> int:
+        """Register chunks a block holds along its rows."""
+        return 1 if self.split else self.R // self.T
+
+    @property
+    def chunks(self) -> int:
+        """Register chunks along a row."""
+        return self.J // self.T if self.split else self.J
+
+    @property
+    def acc_rows(self) -> int:
+        """Rows of the backward's partial sums a block writes."""
+        return 1 if self.split else self.T
+
+    def blocks(self, rows: int) -> int:
+        return -(-rows // self.R)
+
+    def programs(self, rows: int, sms: int | None = None) -> int:
+        """Persistent blocks: as many as fit the SMs' shared memory (at most
+        ``_MAX_BLOCKS_PER_SM`` an SM), at most one per block of rows."""
+        per_sm = min(_MAX_BLOCKS_PER_SM, _SM_SMEM_BYTES // (self.smem + 1024 + 2048))
+        return max(1, min(self.blocks(rows), (sms or _DEFAULT_SMS) * per_sm))
+
+
+def _pow2_part(m: int, cap: int = 32) -> int:
+    return math.gcd(m, cap)
+
+
+def _split_width(n: int, v: int, sector: int) -> tuple[int, int] | None:
+    """(S, lanes): the split of n with the most lanes across it (then the widest), S a
+    multiple of v and of the 16-byte ``sector`` (TMA strides), at most 256."""
+    best = None
+    for s in range(v, min(n, 256) + 1, v):
+        if n % s or s % sector:
+            continue
+        key = (_pow2_part(s // v), s)
+        best = max(best or key, key)
+    return None if best is None else (best[1], best[0])
+
+
+def _row_dtypes(spec: KernelSpec, x_dtype, kind, residual_dtype, h_dtype, dx_dtype):
+    """(dtypes staged per row, dtypes written per row) of a call."""
+    x = np.dtype(x_dtype)
+    if kind == "forward":
+        staged = [x] if residual_dtype is None else [x, np.dtype(residual_dtype)]
+        outs = [np.dtype(spec.out_dtype)]
+        if residual_dtype is not None:
+            outs.append(np.dtype(h_dtype if h_dtype is not None else x))
+        return staged, outs
+    staged = [x, np.dtype(spec.out_dtype)]  # x (h for the residual form) and dy
+    if residual_dtype is not None:
+        staged.append(np.dtype(residual_dtype))  # dh
+    return staged, [np.dtype(dx_dtype if dx_dtype is not None else x)]
+
+
+def _smem(spec, kind, split, S, T, R, slots, staged, outs) -> int:
+    n = spec.n
+    stage = slots * R * n * sum(d.itemsize for d in staged)
+    rings = 2 * T * S * sum(d.itemsize for d in outs)
+    stats = 0 if split else 2 * max(T, R) * 4  # the statistic's ring or staged block
+    sums = int(spec.has_scale) + int(spec.has_bias)
+    acc = (1 if split else T) * n * 4 * sums if kind == "backward" else 0
+    return stage + rings + stats + acc + 128 * (len(staged) * slots + 2 * len(outs) + 4)
+
+
+def plan(
+    spec: KernelSpec,
+    rows: int,
+    x_dtype,
+    kind: str,
+    *,
+    residual_dtype=None,
+    h_dtype=None,
+    dx_dtype=None,
+) -> Plan | None:
+    """The schedule of a ``kind`` call, or None when the kernels cannot take it (a dtype
+    they do not take, a row whose features do not split into 16-byte TMA rows, or a
+    block that does not fit shared memory)."""
+    staged, outs = _row_dtypes(spec, x_dtype, kind, residual_dtype, h_dtype, dx_dtype)
+    if rows < 1 or any(d not in _DTYPES for d in (*staged, *outs)):
+        return None
+    if not 1 <= spec.k <= spec.n <= 256 * 256:
+        return None
+    widest = max(d.itemsize for d in (*staged, *outs))
+    if spec.has_scale or spec.has_bias or kind == "backward":
+        widest = 4  # float32 parameters and partial sums share the chunks' layout
+    sector = 16 // min(d.itemsize for d in (*staged, *outs))
+    for split in (spec.n > _MAX_TILE_FEATURES, spec.n <= _MAX_TILE_FEATURES):
+        found = _plan(spec, rows, kind, split, widest, sector, staged, outs)
+        if found is not None:
+            return found
+    return None
+
+
+def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
+    v = 16 // widest
+    while v >= 1:
+        sw = _split_width(spec.n, v, sector)
+        if sw is not None and (not split or sw[1] * v == min(sw[0], 32 * v)):
+            break
+        v //= 2
+    else:
+        return None
+    S, lanes = sw
+    J = spec.n // S
+    unit = 4 * (32 // lanes)  # rows (splits) of the layout's base tile
+    T = max(unit, _CHUNK_ELEMENTS[kind] * 128 // S // unit * unit)
+    if split:
+        if lanes * v < min(S, 32 * v) or J % unit:
+            return None
+        T = max(d for d in range(unit, min(T, J) + 1, unit) if J % d == 0)
+        R = 1
+    else:
+        R = T * max(1, _BLOCK_ELEMENTS // (T * spec.n))
+        R = min(R, 256 // T * T, -(-rows // T) * T)
+    for slots in (2, 1):
+        smem = _smem(spec, kind, split, S, T, R, slots, staged, outs)
+        if smem <= SMEM_BYTES:
+            return Plan(kind, split, S, J, v, lanes, T, R, slots, smem)
+    return None
+
+
+def fits(
+    spec: KernelSpec,
+    rows: int,
+    x_dtype,
+    *,
+    kind: str | None = None,
+    residual_dtype=None,
+    h_dtype=None,
+    dx_dtype=None,
+) -> bool:
+    """Whether the Mosaic GPU kernels take the call: float32, bfloat16 or float16 rows
+    whose features split into TMA rows of 16-byte multiples (n a multiple of 8 with a
+    16-bit operand, of 4 with float32 ones), at most 65536 features, and a block that fits
+    shared memory (see :func:`plan`). With ``kind`` and the call's dtypes: whether that
+    kernel takes that call; without, whether both take every form of it (residual, h and
+    dx float32 or bfloat16).
+
+    >>> import numpy as np
+    >>> spec = KernelSpec(n=32768, k=32768, eps=1e-6, inside=True, scale_offset=0.0,
+    ...                   has_scale=True, has_bias=False, out_dtype=np.dtype("float32"))
+    >>> fits(spec, 8, np.float32, kind="forward"), fits(spec, 8, np.float32, kind="backward")
+    (True, False)
+    """
+    if kind is not None:
+        dtypes = dict(residual_dtype=residual_dtype, h_dtype=h_dtype, dx_dtype=dx_dtype)
+        return plan(spec, rows, x_dtype, kind, **dtypes) is not None
+    f32, bf16 = np.dtype(np.float32), np.dtype("bfloat16")
+    forms = [{}] + [
+        dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
+        for r, h, d in itertools.product((f32, bf16), repeat=3)
+    ]
+    return all(
+        plan(spec, rows, x_dtype, k, **form) is not None
+        for k in ("forward", "backward")
+        for form in forms
+    )
