@@ -80,17 +80,14 @@ def rms_norm(
         element enters the mean square where it is True. Not differentiated. Not
         combined with ``p < 1`` or ``axis_name`` (raises: the meaning is ambiguous).
       implementation: which path computes the norm. ``"xla"``: XLA's fusions of the
-        jnp expression. ``"pallas"``: the fused Pallas kernels (``rmsnorm_jax.kernels``:
-        Triton on GPU, Mosaic on TPU, interpret mode on CPU), one pass forward and one
-        backward, where the call fits them: the last axis normalized alone, no
-        ``mask``, no ``axis_name``, float32/bfloat16/float16 input, ``scale`` and
-        ``bias`` of one value per feature, a row that fits a kernel block; otherwise
-        XLA. Differentiated again (grad-of-grad), a kernel differentiates as its XLA
-        twin. ``"auto"``
-        (default): the kernels only where a measurement on hardware found them faster
-        (``rmsnorm_jax.kernels.MEASURED``: on an NVIDIA H200, float32 and bfloat16, 1024
-        to 5120 features, x of 32 MiB or more), XLA everywhere else;
-        ``rmsnorm_jax.kernels.explain`` says which and why.
+        jnp expression. ``"pallas"``: the fused Pallas kernels (``rmsnorm_jax.kernels``),
+        one pass forward and one backward, where the call fits them (the last axis
+        normalized alone, no ``mask`` or ``axis_name``, float32/bfloat16/float16 input,
+        ``scale`` and ``bias`` of one value per feature, a row that fits a kernel
+        block); otherwise XLA. ``"auto"`` (default): the kernels only where a
+        measurement on hardware found them faster (``rmsnorm_jax.kernels.MEASURED``,
+        ``docs/kernels.md``), XLA everywhere else; ``rmsnorm_jax.kernels.explain`` says
+        which path a call takes and why.
 
     Returns:
       ``y`` with the shape of ``x``.
