@@ -172,20 +172,19 @@ def plan(
 
 
 def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
-    v = 16 // widest
-    while v >= 1:
-        sw = _split_width(spec.n, v, sector)
-        if sw is not None and (not split or sw[1] * v == min(sw[0], 32 * v)):
-            break
-        v //= 2
-    else:
+    # The vector width with the most lanes across a split (then the widest vectors).
+    choices = [(_split_width(spec.n, v, sector), v) for v in (16, 8, 4, 2, 1) if v * widest <= 16]
+    choices = [(sw[1], v, sw[0]) for sw, v in choices if sw is not None]
+    if split:
+        choices = [c for c in choices if c[0] == 32]
+    if not choices:
         return None
-    S, lanes = sw
+    lanes, v, S = max(choices)
     J = spec.n // S
     unit = 4 * (32 // lanes)  # rows (splits) of the layout's base tile
     T = max(unit, _CHUNK_ELEMENTS[kind] * 128 // S // unit * unit)
     if split:
-        if lanes * v < min(S, 32 * v) or J % unit:
+        if J % unit:
             return None
         T = max(d for d in range(unit, min(T, J) + 1, unit) if J % d == 0)
         R = 1
