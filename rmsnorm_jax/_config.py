@@ -80,12 +80,13 @@ def normalize_axes(axis: Any, ndim: int, name: str = "axis") -> tuple[int, ...]:
     for a in axes:
         if isinstance(a, bool) or not isinstance(a, numbers.Integral):
             raise TypeError(f"{name} must be an int or a tuple of ints, got {axis!r}.")
+        a = int(a)
         if not -ndim <= a < ndim:
             raise ValueError(
                 f"{name}: axis {a} is out of range for x with ndim={ndim}; "
                 f"use axes in [{-ndim}, {ndim - 1}]."
             )
-        out.append(int(a) % ndim)
+        out.append(a % ndim)
     if len(set(out)) != len(out):
         raise ValueError(f"{name}={axis!r} repeats an axis (ndim={ndim}); list each axis once.")
     return tuple(sorted(out))

@@ -265,10 +265,8 @@ def get_target(name: str) -> Target:
         # keeps a second process from opening a TPU.
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        devices = get_topology_desc(
-            topology_name=f"{generation}:{topology}", platform="tpu"
-        ).devices
-        return Target(f"{base}:{topology}", "tpu", tuple(devices), bandwidth)
+        tpus = get_topology_desc(topology_name=f"{generation}:{topology}", platform="tpu")
+        return Target(f"{base}:{topology}", "tpu", tuple(tpus.devices), bandwidth)
     match = re.fullmatch(r"([a-z0-9]+?)(?:x(\d+))?", name)
     if match is None or match.group(1) not in _GPUS:
         raise _unknown(name)
@@ -280,12 +278,11 @@ def get_target(name: str) -> Target:
 
     config_file, has_cost_model = _GPUS[gpu]
     config = (_CONFIG_DIR / config_file).read_text()
-    devices = get_topology_desc(
-        platform="cuda", target_config=config, topology=f"1x1x{count}"
-    ).devices
-    bandwidth = float(re.search(r"memory_bandwidth:\s*(\d+)", config).group(1))
+    gpus = get_topology_desc(platform="cuda", target_config=config, topology=f"1x1x{count}")
+    found = re.search(r"memory_bandwidth:\s*(\d+)", config)
+    assert found is not None, f"{config_file} names no memory_bandwidth"
     canonical = gpu if count == 1 else f"{gpu}x{count}"
-    return Target(canonical, "cuda", tuple(devices), bandwidth, has_cost_model)
+    return Target(canonical, "cuda", tuple(gpus.devices), float(found.group(1)), has_cost_model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +328,7 @@ def kernels(compiled: jax.stages.Compiled, target: Target) -> list[Kernel]:
     ``compiler_options``. A loop body counts once. CPU: no estimates (empty list).
     """
     out = []
-    for line in compiled.as_text().splitlines():
+    for line in (compiled.as_text() or "").splitlines():
         match = _INSTRUCTION.match(line)
         if match is None:
             continue

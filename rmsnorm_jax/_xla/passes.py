@@ -115,7 +115,7 @@ def _mean_square(cfg: NormConfig, x: jax.Array, mask=None) -> jax.Array:
     if mask is None and cfg.partial and len(cfg.axes) == 1 and cfg.axis_name is None:
         head = lax.slice_in_dim(x, 0, cfg.k, axis=cfg.axes[0])
     elif mask is not None or cfg.partial:
-        head = jnp.where(_membership(cfg, x.shape, mask), x, 0)
+        head = jnp.where(_partial_mask(cfg, x.shape) if mask is None else mask, x, 0)
     return _row_sum_of_products(cfg, head, head) * _inv_count(cfg, x.shape, mask)
 
 
@@ -193,7 +193,7 @@ def parameter_cotangent(a: jax.Array, b: jax.Array, primal) -> jax.Array:
             (a, b),
             gpu=lambda ab: two_stage_column_sum(ab[0].astype(acc) * ab[1].astype(acc), keep),
             tpu=lambda ab: tpu_column_sum(ab[0].astype(acc) * ab[1].astype(acc), keep),
-            default=lambda ab: _sum_of_products(*ab, keep, acc),
+            default=lambda ab: _sum_of_products(ab[0], ab[1], keep, acc),
         )
     ct = total.reshape(shape).astype(primal.dtype)
     if explicit_spec(primal) is not None or explicit_spec(jax.typeof(ct)) is not None:

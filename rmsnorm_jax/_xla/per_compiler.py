@@ -76,8 +76,8 @@ def residual_sum(x: jax.Array, residual: jax.Array, dtype) -> jax.Array:
         return added(x, residual, dtype, keep=False)  # no rounding to keep
     return on_gpu(
         (x, residual),
-        gpu=lambda operands: added(*operands, dtype, keep=False),
-        default=lambda operands: added(*operands, dtype),
+        gpu=lambda ops: added(ops[0], ops[1], dtype, keep=False),
+        default=lambda ops: added(ops[0], ops[1], dtype),
     )
 
 

@@ -197,7 +197,7 @@ def patch_flax(implementation: str = "auto") -> Patch:
     return apply("flax", "patch_flax()", swaps, implementation)
 
 
-_PROBE_OPTIONS = {
+_PROBE_OPTIONS: dict[str, dict[str, Any]] = {
     "default": {},
     "use_scale=False": {"use_scale": False},
     "reduction_axes=(-2, -1)": {"reduction_axes": (-2, -1), "feature_axes": -1},

@@ -73,7 +73,7 @@ def _check_maxtext_shape(module: types.ModuleType) -> type:
             f"{module.__name__} has no RMSNorm class: this MaxText is not the shape "
             "patch_maxtext() knows (MaxText 0.2.x). Please report it with the version."
         )
-    init = inspect.signature(cls.__init__).parameters
+    init = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
     missing = [name for name in _MAXTEXT_INIT_ARGS if name not in init]
     call = list(inspect.signature(own_call(cls, "MaxText")).parameters)
     if call[1:3] != ["x", "out_sharding"]:
@@ -252,7 +252,8 @@ def _maxtext_probe(cls: type, method: Callable) -> list[Case]:
 
     cases = []
     variants = {"default": {}, "scale_offset=1": {"scale_offset": 1.0}}
-    if "with_scale" in inspect.signature(cls.__init__).parameters:
+    init = inspect.signature(cls.__init__).parameters  # type: ignore[misc]
+    if "with_scale" in init:
         variants["with_scale=False"] = {"with_scale": False}
     for name, kwargs in variants.items():
         for dtype in (jnp.float32, jnp.bfloat16):

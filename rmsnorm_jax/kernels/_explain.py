@@ -55,6 +55,7 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
     if reason is not None:
         return f"xla: the kernels do not take {reason}"
     spec = kernel_spec(cfg, x, scale, bias, mask)
+    assert spec is not None  # why_not_kernels found no reason
     if implementation == "auto":
         win = measured_win("rms_norm", spec, x)
         if win is None:
@@ -68,9 +69,9 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
         return f"auto: the kernels on {win.platform} (measured: {win.source}), XLA elsewhere"
     rows = math.prod(x.shape[:-1])
     fits = triton.fits(spec, rows, dtype)  # the CPU's interpret mode runs the Triton kernels
-    triton = "Triton" if fits else "XLA (the row does not fit the Triton kernels)"
-    interpret = "interpret mode" if fits else triton
+    gpu = "Triton" if fits else "XLA (the row does not fit the Triton kernels)"
+    interpret = "interpret mode" if fits else gpu
     return (
-        f"pallas: GPU: {triton}; TPU: Mosaic where the row fits the generation's VMEM, "
+        f"pallas: GPU: {gpu}; TPU: Mosaic where the row fits the generation's VMEM, "
         f"else XLA; CPU: {interpret}"
     )

@@ -54,7 +54,7 @@ def _row_spec(spec: tuple) -> tuple:
 
 def _row_axes(spec: tuple) -> tuple[str, ...]:
     """The mesh axes that split the rows (every entry of the spec but the last)."""
-    axes = []
+    axes: list[str] = []
     for entry in spec[:-1]:
         if entry is None:
             continue

@@ -17,6 +17,7 @@ those of the smallest VMEM (v4), which fit every generation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -105,7 +106,7 @@ def generation(name: str | None = None) -> Generation:
     if kind is None:
         default = jax.devices()[0]
         kind = default.device_kind if default.platform == "tpu" else None
-    return GENERATIONS.get(_DEVICE_KINDS.get(kind, ""), _ANY)
+    return GENERATIONS.get(_DEVICE_KINDS.get(kind or "", ""), _ANY)
 
 
 def _sublanes(dtype) -> int:
@@ -251,70 +252,92 @@ def plan(
     """
     gen = generation(generation_name)
     x_dtype = np.dtype(x_dtype)
-    residual = residual_dtype is not None
     if kind not in ("forward", "backward"):
         raise ValueError(f"kind must be 'forward' or 'backward', got {kind!r}.")
     row_dtypes = _row_dtypes(spec, x_dtype, kind, residual_dtype, h_dtype, dx_dtype)
     br = _block_rows(spec, rows, kind, gen, row_dtypes)
     if br == 0 or rows == 0:
         return None
-    n, blocks = spec.n, -(-rows // br)
-    f32 = np.dtype(jnp.float32)
-
-    def operand(name, shape, block, index_map, dtype):
-        size = _block_bytes(shape, block, index_map, grid, dtype)
-        return Operand(name, shape, block, np.dtype(dtype), size)
-
-    params = [("scale", spec.has_scale), ("bias", spec.has_bias and kind == "forward")]
     if kind == "forward":
-        grid = (blocks,)
-        row_map = lambda i: (i, 0)
-        const_map = lambda i: (0, 0)
-        inputs = [operand("x", (rows, n), (br, n), row_map, x_dtype)]
-        if residual:
-            inputs.append(operand("residual", (rows, n), (br, n), row_map, residual_dtype))
-        inputs += [operand(p, (1, n), (1, n), const_map, f32) for p, on in params if on]
-        outputs = [
-            operand("y", (rows, n), (br, n), row_map, spec.out_dtype),
-            operand("stat", (blocks, 1, br), (None, 1, br), lambda i: (i, 0, 0), f32),
-        ]
-        if residual:
-            outputs.append(operand("h", (rows, n), (br, n), row_map, h_dtype))
+        grid, inputs, outputs = _forward_operands(spec, rows, br, x_dtype, residual_dtype, h_dtype)
     else:
-        slots = min(2, blocks)
-        steps = -(-blocks // slots)
-        grid = (slots, steps)
-        row_map = backward_row_map(steps, blocks)
-        const_map = lambda c, i: (0, 0)
-        slot_map = lambda c, i: (c, 0)
-        inputs = [
-            operand("x", (rows, n), (br, n), row_map, x_dtype),
-            operand("dy", (rows, n), (br, n), row_map, x_dtype),
-            operand(
-                "stat",
-                (blocks, 1, br),
-                (None, 1, br),
-                lambda c, i: (*row_map(c, i)[:1], 0, 0),
-                f32,
-            ),
-        ]
-        if spec.has_scale:
-            inputs.append(operand("scale", (1, n), (1, n), const_map, f32))
-        if residual:
-            inputs.append(operand("dh", (rows, n), (br, n), row_map, residual_dtype))
-        outputs = [operand("dx", (rows, n), (br, n), row_map, dx_dtype or x_dtype)]
-        partial = (PARTIAL_ROWS * slots, n)
-        for name, on in (("dscale_partials", spec.has_scale), ("dbias_partials", spec.has_bias)):
-            if on:
-                outputs.append(operand(name, partial, (PARTIAL_ROWS, n), slot_map, f32))
+        dx_dtype = np.dtype(dx_dtype or x_dtype)
+        grid, inputs, outputs = _backward_operands(
+            spec, rows, br, x_dtype, residual_dtype, dx_dtype
+        )
     return Plan(kind, gen, br, grid, tuple(inputs), tuple(outputs))
+
+
+_F32 = np.dtype(jnp.float32)
+
+
+def _operand(grid, name, shape, block, index_map, dtype) -> Operand:
+    size = _block_bytes(shape, block, index_map, grid, dtype)
+    return Operand(name, shape, block, np.dtype(dtype), size)
+
+
+def _forward_operands(spec: KernelSpec, rows: int, br: int, x_dtype, residual_dtype, h_dtype):
+    """The forward's grid ``(blocks,)`` and its operands."""
+    n, blocks = spec.n, -(-rows // br)
+    grid = (blocks,)
+    rows_block = functools.partial(_operand, grid, shape=(rows, n), block=(br, n))
+    row_map = lambda i: (i, 0)
+    inputs = [rows_block("x", index_map=row_map, dtype=x_dtype)]
+    if residual_dtype is not None:
+        inputs.append(rows_block("residual", index_map=row_map, dtype=residual_dtype))
+    for name, present in (("scale", spec.has_scale), ("bias", spec.has_bias)):
+        if present:
+            inputs.append(_operand(grid, name, (1, n), (1, n), lambda i: (0, 0), _F32))
+    stat_map = lambda i: (i, 0, 0)
+    outputs = [
+        rows_block("y", index_map=row_map, dtype=spec.out_dtype),
+        _operand(grid, "stat", (blocks, 1, br), (None, 1, br), stat_map, _F32),
+    ]
+    if residual_dtype is not None:
+        outputs.append(rows_block("h", index_map=row_map, dtype=h_dtype))
+    return grid, inputs, outputs
+
+
+def _backward_operands(spec: KernelSpec, rows: int, br: int, x_dtype, dh_dtype, dx_dtype):
+    """The backward's grid ``(slots, steps)`` and its operands."""
+    n, blocks = spec.n, -(-rows // br)
+    slots = min(2, blocks)
+    steps = -(-blocks // slots)
+    grid = (slots, steps)
+    rows_block = functools.partial(_operand, grid, shape=(rows, n), block=(br, n))
+    row_map = backward_row_map(steps, blocks)
+    stat_map = functools.partial(_stat_block, row_map)
+    inputs = [
+        rows_block("x", index_map=row_map, dtype=x_dtype),
+        rows_block("dy", index_map=row_map, dtype=x_dtype),
+        _operand(grid, "stat", (blocks, 1, br), (None, 1, br), stat_map, _F32),
+    ]
+    if spec.has_scale:
+        inputs.append(_operand(grid, "scale", (1, n), (1, n), lambda c, i: (0, 0), _F32))
+    if dh_dtype is not None:
+        inputs.append(rows_block("dh", index_map=row_map, dtype=dh_dtype))
+    outputs = [rows_block("dx", index_map=row_map, dtype=dx_dtype)]
+    partial = (PARTIAL_ROWS * slots, n)
+    for name, present in (("dscale_partials", spec.has_scale), ("dbias_partials", spec.has_bias)):
+        if present:
+            slot_map = lambda c, i: (c, 0)
+            outputs.append(_operand(grid, name, partial, (PARTIAL_ROWS, n), slot_map, _F32))
+    return grid, inputs, outputs
+
+
+def _backward_block(steps: int, blocks: int, c, i):
+    return (_index_min(c * steps + i, blocks - 1), 0)
+
+
+def _stat_block(row_map, c, i):
+    return (row_map(c, i)[0], 0, 0)
 
 
 def backward_row_map(steps: int, blocks: int):
     """Block of rows of grid point (slot, step): the slots take consecutive runs of
     blocks; a last slot with one step too many repeats its last block (its index does
     not change, so nothing is copied again, and its rows are masked out of the sums)."""
-    return lambda c, i: (_index_min(c * steps + i, blocks - 1), 0)
+    return functools.partial(_backward_block, steps, blocks)
 
 
 def fits(
@@ -339,7 +362,7 @@ def fits(
         dtypes = dict(residual_dtype=residual_dtype, h_dtype=h_dtype, dx_dtype=dx_dtype)
         return plan(spec, rows, x_dtype, kind, **dtypes) is not None
     f32, bf16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
-    forms = [dict()] + [
+    forms: list[dict] = [dict()] + [
         dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
         for r, h, d in itertools.product((f32, bf16), repeat=3)
     ]
