@@ -117,7 +117,10 @@ def _param(ref, p: Plan, c):
         return None
     if p.split:
         return _load(ref.at[pl.ds(c * p.T, p.T), :], p)
-    row = plgpu.load(ref.at[c], layout=_layout(p.lanes, p.v).reduce(0)).astype(_F32)
+    # Narrow lanes read less than whole 128-byte lines: element by element.
+    whole_lines = p.lanes * p.v * ref.dtype.itemsize % 128 == 0
+    row = plgpu.load(ref.at[c], layout=_layout(p.lanes, p.v).reduce(0), optimized=whole_lines)
+    row = row.astype(_F32)
     return plgpu.layout_cast(lax.broadcast_in_dim(row, (p.T, p.S), (1,)), _layout(p.lanes, p.v))
 
 
@@ -151,21 +154,23 @@ def _store(value, ring, q, dst) -> None:
     plgpu.copy_smem_to_gmem(slot, dst)
 
 
-# ---------------------------------------------------------------- the persistent loop
+# ---------------------------------------------------------------- the persistent loops
 
 
-def _persistent(p: Plan, rows: int, programs: int, sources, stage, bar, step) -> None:
+def _staged(p: Plan, rows: int, programs: int, sources, stage, bar, tile) -> None:
     """Walks row blocks ``pid, pid + programs, ...``: stages each block's rows of the
-    ``sources`` (GMEM refs with rows first) into ``stage`` (SMEM refs with a slot axis
-    first) and calls ``step(i, block, slot)`` once they landed, the next block's copies
-    issued before (two slots) or after (one) this block's work."""
+    ``sources`` (GMEM refs, rows first) into ``stage`` (SMEM, a slot axis first), the
+    next block's copies issued before (two slots) or after (one) this block's work, and
+    calls ``tile(i, block, t, chunk_refs)`` for each row tile t of block i of the walk;
+    ``chunk_refs(pass_, c)`` gives the SMEM views of chunk c of every source."""
     pid = lax.axis_index("programs")
     steps = (p.blocks(rows) - 1 - pid) // programs + 1
 
     def fetch(i, slot):
         block = pid + i * programs
         for src, dst in zip(sources, stage):
-            plgpu.copy_gmem_to_smem(src.at[pl.ds(block * p.R, p.R)], dst.at[slot], bar.at[slot])
+            rows_ = dst.shape[1]  # the statistic's staging may be wider (whole 128 bytes)
+            plgpu.copy_gmem_to_smem(src.at[pl.ds(block * p.R, rows_)], dst.at[slot], bar.at[slot])
 
     fetch(0, 0)
 
@@ -175,12 +180,64 @@ def _persistent(p: Plan, rows: int, programs: int, sources, stage, bar, step) ->
         more = i + 1 < steps
         if p.slots == 2:
             pl.when(more)(lambda: fetch(i + 1, 1 - slot))
-        step(i, pid + i * programs, slot)
+
+        def each_tile(t, carry):
+            views = [s.at[slot] for s in stage if len(s.shape) == 4]  # not the statistic
+            tile(i, pid + i * programs, t, lambda _, c: [_chunk(v, p, t * p.T, c) for v in views])
+            return carry
+
+        lax.fori_loop(0, p.tiles, each_tile, 0)
         if p.slots == 1:
             pl.when(more)(lambda: fetch(i + 1, 0))
         return carry
 
     lax.fori_loop(0, steps, body, 0)
+
+
+def _streamed(p: Plan, rows: int, programs: int, sources, rings, bar, tile) -> None:
+    """As :func:`_staged` for split rows that do not fit shared memory whole: each pass
+    over a row loads its chunks again (the second time mostly from L2) through two-slot
+    rings, the next chunk's copies in flight while one is computed."""
+    pid = lax.axis_index("programs")
+    steps = (p.blocks(rows) - 1 - pid) // programs + 1
+    loads = steps * 2 * p.chunks  # two passes over each row
+
+    def fetch(g):
+        row = pid + g // (2 * p.chunks) * programs
+        slot = lax.rem(g, 2)
+        for src, ring in zip(sources, rings):
+            plgpu.copy_gmem_to_smem(_chunk(src, p, row, lax.rem(g, p.chunks)), ring.at[slot], bar.at[slot])
+
+    def chunk_refs(i, pass_, c):
+        g = (2 * i + pass_) * p.chunks + c
+        slot = lax.rem(g, 2)
+        plgpu.barrier_wait(bar.at[slot])
+        pl.when(g + 1 < loads)(lambda: fetch(g + 1))
+        return [ring.at[slot] for ring in rings]
+
+    fetch(0)
+
+    def body(i, carry):
+        tile(i, pid + i * programs, 0, functools.partial(chunk_refs, i))
+        return carry
+
+    lax.fori_loop(0, steps, body, 0)
+
+
+def _walk(p: Plan, rows, programs, sources, stage, bar, tile) -> None:
+    (_streamed if p.stream else _staged)(p, rows, programs, sources, stage, bar, tile)
+
+
+def _stage_types(p: Plan, dtypes, stat: bool = False):
+    """The SMEM that the walk copies rows into, and its barrier."""
+    if p.stream:
+        stage = [plgpu.SMEM((2, p.T, p.S), d) for d in dtypes]
+    else:
+        stage = [plgpu.SMEM((p.slots, p.R, p.J, p.S), d) for d in dtypes]
+    if stat:  # whole 128-byte rows of statistics (TMA copies move multiples of 128 bytes)
+        stage.append(plgpu.SMEM((p.slots, -(-p.R // 32) * 32), _F32))
+    slots = 2 if p.stream else p.slots
+    return [stage, plgpu.Barrier(num_arrivals=len(stage), num_barriers=slots)]
 
 
 # ---------------------------------------------------------------- forward
@@ -195,22 +252,21 @@ def _forward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_res, i
     h = refs.pop(0) if has_res else None
     stage, bar, rings = refs.pop(0), refs.pop(0), refs.pop(0)
     stat_ring = None if p.split else refs.pop(0)
-    sources = [x] if res is None else [x, res]
 
-    def rows_in(slot, t, c):
-        """The chunk's normalized rows: x, or h = x + residual rounded to h's dtype."""
-        xv = plgpu.load(_chunk(stage[0].at[slot], p, t * p.T, c), layout=_layout(p.lanes, p.v))
+    def rows_in(views):
+        """The normalized rows of a chunk: x, or h = x + residual rounded to h's dtype."""
+        xv = plgpu.load(views[0], layout=_layout(p.lanes, p.v))
         if res is None:
             return xv
-        rv = plgpu.load(_chunk(stage[1].at[slot], p, t * p.T, c), layout=_layout(p.lanes, p.v))
+        rv = plgpu.load(views[1], layout=_layout(p.lanes, p.v))
         return added(xv, rv, h.dtype, keep=interpret)
 
-    def tile(i, block, slot, t):
+    def tile(i, block, t, chunk_refs):
         row = block * p.R + t * p.T
-        q0 = (i * p.tiles + t) * p.chunks  # this tile's first chunk of its block's walk
+        q0 = (i * p.tiles + t) * p.chunks  # this tile's first chunk in the program's walk
 
         def square(c, acc):
-            hv = rows_in(slot, t, c)
+            hv = rows_in(chunk_refs(0, c))
             if h is not None:
                 _store(hv, rings[1], q0 + c, _chunk(h, p, row, c))
             hf = hv.astype(_F32)
@@ -226,31 +282,22 @@ def _forward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_res, i
         spread = _spread(p, st)
 
         def write(c, carry):
-            hf = rows_in(slot, t, c).astype(_F32)
+            hf = rows_in(chunk_refs(1, c)).astype(_F32)
             out = normalized(spec, hf, spread, _param(scale, p, c), _param(bias, p, c))
             _store(out, rings[0], q0 + c, _chunk(y, p, row, c))
             return carry
 
         lax.fori_loop(0, p.chunks, write, 0)
 
-    def step(i, block, slot):
-        def each_tile(t, carry):
-            tile(i, block, slot, t)
-            return carry
-
-        lax.fori_loop(0, p.tiles, each_tile, 0)
-
-    _persistent(p, rows, programs, sources, stage, bar, step)
+    _walk(p, rows, programs, [x] if res is None else [x, res], stage, bar, tile)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _forward_scratch(p: Plan, x, res, y_dtype, h_dtype):
-    staged = [x] if res is None else [x, res]
-    stage = [plgpu.SMEM((p.slots, p.R, p.J, p.S), a.dtype) for a in staged]
+def _forward_scratch(p: Plan, staged, y_dtype, h_dtype):
     rings = [plgpu.SMEM((2, p.T, p.S), y_dtype)]
-    if res is not None:
+    if h_dtype is not None:
         rings.append(plgpu.SMEM((2, p.T, p.S), h_dtype))
-    scratch = [stage, plgpu.Barrier(num_arrivals=len(staged), num_barriers=p.slots), rings]
+    scratch = [*_stage_types(p, staged), rings]
     if not p.split:
         scratch.append(plgpu.SMEM((2, p.T), _F32))
     return scratch
@@ -267,27 +314,23 @@ def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
     dx = refs.pop(0)
     partials = [refs.pop(0) for present in (spec.has_scale, spec.has_bias) if present]
     stage, bar, ring, sums = refs
-    sources = [x, dy] + ([dh] if has_dh else []) + ([] if p.split else [stat])
     for acc in sums:
         acc[...] = jnp.zeros(acc.shape, _F32)
 
-    def tile(i, block, slot, t):
+    def tile(i, block, t, chunk_refs):
         row = block * p.R + t * p.T
-
-        def rows_in(c, which):
-            return _load(_chunk(stage[which].at[slot], p, t * p.T, c), p)
-
         if p.split:
             st = stat[block]
         else:
             st = plgpu.load(
-                stage[-1].at[slot, pl.ds(t * p.T, p.T)],
+                stage[-1].at[lax.rem(i, p.slots), pl.ds(t * p.T, p.T)],
                 layout=_layout(p.lanes, p.v).reduce(1),
             )
         r = inv_rms(spec, st)
 
         def dot(c, acc):
-            return acc + rows_in(c, 1) * gain(spec, _param(scale, p, c)) * rows_in(c, 0)
+            views = chunk_refs(0, c)
+            return acc + _load(views[1], p) * gain(spec, _param(scale, p, c)) * _load(views[0], p)
 
         # input_grad's terms (_contract.py), its row sum taken over the row's chunks.
         mean_term = _row_total(p, lax.fori_loop(0, p.chunks, dot, _zeros(p)))
@@ -300,13 +343,14 @@ def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
         valid = None if p.split else row + _iota(p, 0) < rows
 
         def write(c, carry):
-            xv, dyv = rows_in(c, 0), rows_in(c, 1)
+            views = chunk_refs(1, c)
+            xv, dyv = _load(views[0], p), _load(views[1], p)
             correction = xv * coef
             if spec.k < spec.n:
                 correction = jnp.where(_columns(p, c) < spec.k, correction, 0.0)
             d = r_wide * (dyv * gain(spec, _param(scale, p, c))) - correction
             if has_dh:
-                d = d + rows_in(c, 2)
+                d = d + _load(views[2], p)
             _store(d, ring, (i * p.tiles + t) * p.chunks + c, _chunk(dx, p, row, c))
             terms = [dyv * (xv * r_wide)] if spec.has_scale else []
             terms += [dyv] if spec.has_bias else []
@@ -319,14 +363,8 @@ def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
 
         lax.fori_loop(0, p.chunks, write, 0)
 
-    def step(i, block, slot):
-        def each_tile(t, carry):
-            tile(i, block, slot, t)
-            return carry
-
-        lax.fori_loop(0, p.tiles, each_tile, 0)
-
-    _persistent(p, rows, programs, sources, stage, bar, step)
+    sources = [x, dy] + ([dh] if has_dh else []) + ([] if p.split else [stat])
+    _walk(p, rows, programs, sources, stage, bar, tile)
     plgpu.commit_smem()
     pid = lax.axis_index("programs")
     for acc, out in zip(sums, partials):
@@ -335,16 +373,13 @@ def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
 
 
 def _backward_scratch(p: Plan, spec: KernelSpec, staged, dx_dtype):
-    stage = [plgpu.SMEM((p.slots, p.R, p.J, p.S), a.dtype) for a in staged]
-    if not p.split:
-        stage.append(plgpu.SMEM((p.slots, p.R), _F32))
     sums = [
         plgpu.SMEM((p.acc_rows, p.J, p.S), _F32)
         for present in (spec.has_scale, spec.has_bias)
         if present
     ]
-    barrier = plgpu.Barrier(num_arrivals=len(stage), num_barriers=p.slots)
-    return [stage, barrier, plgpu.SMEM((2, p.T, p.S), dx_dtype), sums]
+    stage = _stage_types(p, staged, stat=not p.split)
+    return [*stage, plgpu.SMEM((2, p.T, p.S), dx_dtype), sums]
 
 
 # ---------------------------------------------------------------- argument checks
@@ -460,7 +495,8 @@ def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, in
         has_res=residual is not None,
         interpret=interpret,
     )
-    scratch = _forward_scratch(p, x, residual, y_dtype, h_dtype)
+    staged = [a.dtype for a in (x, residual) if a is not None]
+    scratch = _forward_scratch(p, staged, y_dtype, None if residual is None else h_dtype)
     kernel = _call(body, "rms_norm_forward", p, programs, out_type, scratch, interpret)
     rows3 = [a.reshape(shape3) for a in (x, residual) if a is not None]
     params = [a.reshape(p.J, p.S) for a in (scale, bias) if a is not None]
@@ -509,7 +545,7 @@ def backward(spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpr
     body = functools.partial(
         _backward_kernel, spec=spec, p=p, rows=rows, programs=programs, has_dh=dh is not None
     )
-    staged = [a for a in (x, dy, dh) if a is not None]
+    staged = [a.dtype for a in (x, dy, dh) if a is not None]
     scratch = _backward_scratch(p, spec, staged, dx_dtype)
     kernel = _call(body, "rms_norm_backward", p, programs, out_type, scratch, interpret)
     args = [x.reshape(shape3), dy.reshape(shape3), stat.astype(_F32)]

@@ -63,6 +63,8 @@ class Plan:
       R: rows per block (one TMA copy per staged array).
       slots: staging buffers per staged array (2: the next block loads during this one).
       smem: shared-memory bytes of one block.
+      stream: (split rows only) the row's chunks are loaded for each pass through
+        two-slot rings instead of staged whole (rows too wide for shared memory).
     """
 
     kind: str
@@ -75,6 +77,7 @@ class Plan:
     R: int
     slots: int
     smem: int
+    stream: bool = False
 
     @property
     def tiles(self) -> int:
@@ -132,9 +135,11 @@ def _row_dtypes(spec: KernelSpec, x_dtype, kind, residual_dtype, h_dtype, dx_dty
     return staged, [np.dtype(dx_dtype if dx_dtype is not None else x)]
 
 
-def _smem(spec, kind, split, S, T, R, slots, staged, outs) -> int:
+def _smem(spec, kind, split, S, T, R, slots, staged, outs, stream=False) -> int:
     n = spec.n
     stage = slots * R * n * sum(d.itemsize for d in staged)
+    if stream:
+        stage = 2 * T * S * sum(d.itemsize for d in staged)
     rings = 2 * T * S * sum(d.itemsize for d in outs)
     stats = 0 if split else 2 * max(T, R) * 4  # the statistic's ring or staged block
     sums = int(spec.has_scale) + int(spec.has_bias)
@@ -172,14 +177,14 @@ def plan(
 
 
 def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
-    # The vector width with the most lanes across a split (then the widest vectors).
-    choices = [(_split_width(spec.n, v, sector), v) for v in (16, 8, 4, 2, 1) if v * widest <= 16]
-    choices = [(sw[1], v, sw[0]) for sw, v in choices if sw is not None]
-    if split:
-        choices = [c for c in choices if c[0] == 32]
-    if not choices:
+    # The widest vectors that leave 8 lanes or more across a split (a quarter warp reads
+    # 128 contiguous bytes), else the most lanes.
+    found = [(_split_width(spec.n, v, sector), v) for v in (8, 4, 2, 1) if v * widest <= 16]
+    found = [(min(sw[1], 8), v, sw[1], sw[0]) for sw, v in found if sw is not None]
+    found = [c for c in found if c[2] == 32 or not split]
+    if not found:
         return None
-    lanes, v, S = max(choices)
+    _, v, lanes, S = max(found)
     J = spec.n // S
     unit = 4 * (32 // lanes)  # rows (splits) of the layout's base tile
     T = max(unit, _CHUNK_ELEMENTS[kind] * 128 // S // unit * unit)
@@ -189,12 +194,19 @@ def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
         T = max(d for d in range(unit, min(T, J) + 1, unit) if J % d == 0)
         R = 1
     else:
-        R = T * max(1, _BLOCK_ELEMENTS // (T * spec.n))
-        R = min(R, 256 // T * T, -(-rows // T) * T)
-    for slots in (2, 1):
-        smem = _smem(spec, kind, split, S, T, R, slots, staged, outs)
+        # TMA copies into shared memory move whole multiples of 128 bytes.
+        unit = max(T, *(128 // math.gcd(128, spec.n * d.itemsize) for d in staged))
+        unit = unit * T // math.gcd(unit, T)
+        R = unit * max(1, _BLOCK_ELEMENTS // (unit * spec.n))
+        R = min(R, 256 // unit * unit, -(-rows // unit) * unit)
+        if R < unit:
+            return None
+    for slots, stream in ((2, False), (1, False), (2, True)):
+        if stream and not split:
+            break
+        smem = _smem(spec, kind, split, S, T, R, slots, staged, outs, stream)
         if smem <= SMEM_BYTES:
-            return Plan(kind, split, S, J, v, lanes, T, R, slots, smem)
+            return Plan(kind, split, S, J, v, lanes, T, R, slots, smem, stream)
     return None
 
 
