@@ -1,45 +1,35 @@
-"""Mosaic GPU kernels for Hopper and Blackwell: RMSNorm in one pass forward and one backward.
+"""Mosaic GPU kernels (Hopper, Blackwell): RMSNorm in one pass forward and one backward.
 
 The contract is ``_contract.py``'s (``fits``, ``forward``, ``backward``) and the maths its
-per-row helpers, as in the Pallas-Triton kernels (``triton.py``). The kernels are
-``plgpu.kernel``s lowered with Mosaic GPU's lane semantics (explicit register layouts).
+per-row helpers, as in the Pallas-Triton kernels (``triton.py``). Each kernel is one
+``plgpu.kernel`` lowered with Mosaic GPU's lane semantics (explicit register layouts) of
+one warpgroup (128 threads) per block. The schedule (``mosaic_gpu_sizing.plan``, whose
+constants say why each is chosen; none is tuned on a GPU yet):
 
-Schedule (``mosaic_gpu_sizing.plan``; nothing tuned on a GPU yet):
+- A row is J splits of S <= 256 features, so that R rows are one TMA copy ``(R, J, S)``
+  (a TMA box holds at most 256 elements an axis). A persistent grid (as many blocks as
+  shared memory lets reside, at most 4 an SM) walks the row blocks ``p, p + P, ...``;
+  with two staging slots the next block's copies fly while this one is computed.
+- Up to 2048 features, row tiles: R rows (about 8192 features of rows) a block, in
+  register chunks of T rows x S features. A warp owns whole rows, so a row's sums are
+  reduced in registers and across lanes only.
+- Wider rows: one row a block, in chunks of T splits x S features; a row's sum crosses
+  the 4 warps once per pass (through shared memory). A row staged whole where it fits
+  shared memory, else streamed: each pass loads its chunks again (the second time
+  mostly from L2) through two-slot rings.
+- Threads hold vectors of v features: 16 bytes of the widest operand (float32 wherever a
+  parameter or a partial sum is), so shared-memory transfers are 8 or 16 bytes.
+- Two passes over the rows: the mean square (forward) or ``sum_j gdy_j x_j``
+  (backward), then the outputs, chunk by chunk through two-slot shared-memory rings
+  that TMA stores (clipped at the last row).
+- Backward: the scale and bias gradients accumulate in float32 in shared memory, one
+  row per row of a chunk (row tiles) or one (wide rows); each persistent block stores
+  its rows once at the end: ``(programs * rows, n)`` partial sums that the caller sums
+  (a fixed order, no atomics).
 
-- A row is viewed as J splits of S <= 256 features, so that a block of R rows is one TMA
-  copy ``(R, J, S)`` from HBM into shared memory. One warpgroup (128 threads) per
-  kernel block; a persistent grid of blocks (as many as shared memory lets reside, at
-  most 4 an SM) walks the row blocks ``p, p + P, ...``, the next block's TMA copies in
-  flight while this one is computed where two staging slots fit.
-- Rows up to 2048 features: blocks of about 8192 features of rows (R <= 256), computed
-  in register chunks of T rows x S features; a warp owns whole rows (or 32 / lanes of
-  them), so a row's sums are reduced in registers and across lanes, never across warps.
-- Wider rows: one row per block (staged whole: up to 64 KiB of bfloat16 or 32 KiB of
-  float32 rows and more, as shared memory allows), in chunks of T splits x S features;
-  a row's sum crosses the 4 warps through shared memory once per pass.
-- Each thread holds vectors of v features (16 bytes of float32, or of the widest
-  operand), so shared-memory transfers are 8 or 16 bytes a thread.
-- Two passes over the staged rows in registers: the mean square (forward) or
-  ``sum_j gdy_j x_j`` (backward), then the outputs, written chunk by chunk into a
-  two-slot shared-memory ring and stored by TMA (clipped at the last row and feature).
-- Backward: the scale and bias gradients of a block's rows accumulate in float32 in
-  shared memory (a row of partial sums per row of a chunk); each persistent block
-  writes its rows once, at the end: ``(programs * rows_per_chunk, n)`` partial sums the
-  caller sums (deterministic, no atomics).
-
-``interpret=True`` runs the same kernel bodies on the CPU (``plgpu.InterpretGPUParams``;
-jax >= 0.11.2).
-
-Example (interpret mode; FACTS.md's first worked example)::
-
->>> import jax.numpy as jnp, numpy as np
->>> from rmsnorm_jax.kernels._contract import KernelSpec
->>> spec = KernelSpec(n=8, k=4, eps=0.0, inside=True, scale_offset=0.0,
-...                   has_scale=False, has_bias=False, out_dtype=np.dtype("float32"))
->>> x = jnp.array([[1.0, 2, 3, 4, 0, 0, 0, 0], [-1, -2, -3, -4, 0, 0, 0, 0]])
->>> y, stat, h = forward(spec, x, None, None, interpret=True)  # doctest: +SKIP
->>> [round(float(v), 4) for v in y[0, :4]]  # doctest: +SKIP
-[0.3651, 0.7303, 1.0954, 1.4606]
+``interpret=True`` runs the same kernels on the CPU (``plgpu.InterpretGPUParams``, jax >=
+0.11.2). ``tests/test_kernels_mosaic_gpu.py`` compares them with the float64 formula there
+and compiles them for an H100 without one.
 """
 
 from __future__ import annotations
@@ -48,7 +38,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -56,12 +45,19 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._rounding import added
 from ._contract import KernelSpec, gain, inv_rms, normalized, out_struct, stat_from_ms
-from .mosaic_gpu_sizing import Plan, fits, plan
+from .mosaic_gpu_sizing import (
+    Plan,
+    check_dtype,
+    check_param,
+    check_rows,
+    fits,
+    plan,
+    plan_or_raise,
+)
 
 __all__ = ["available", "backward", "fits", "forward", "plan"]
 
 _F32 = jnp.float32
-_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 def available() -> bool:
@@ -168,7 +164,7 @@ def _staged(p: Plan, rows: int, programs: int, sources, stage, bar, tile) -> Non
 
     def fetch(i, slot):
         block = pid + i * programs
-        for src, dst in zip(sources, stage):
+        for src, dst in zip(sources, stage, strict=True):
             rows_ = dst.shape[1]  # the statistic's staging may be wider (whole 128 bytes)
             plgpu.copy_gmem_to_smem(src.at[pl.ds(block * p.R, rows_)], dst.at[slot], bar.at[slot])
 
@@ -205,8 +201,10 @@ def _streamed(p: Plan, rows: int, programs: int, sources, rings, bar, tile) -> N
     def fetch(g):
         row = pid + g // (2 * p.chunks) * programs
         slot = lax.rem(g, 2)
-        for src, ring in zip(sources, rings):
-            plgpu.copy_gmem_to_smem(_chunk(src, p, row, lax.rem(g, p.chunks)), ring.at[slot], bar.at[slot])
+        for src, ring in zip(sources, rings, strict=True):
+            plgpu.copy_gmem_to_smem(
+                _chunk(src, p, row, lax.rem(g, p.chunks)), ring.at[slot], bar.at[slot]
+            )
 
     def chunk_refs(i, pass_, c):
         g = (2 * i + pass_) * p.chunks + c
@@ -354,7 +352,7 @@ def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
             _store(d, ring, (i * p.tiles + t) * p.chunks + c, _chunk(dx, p, row, c))
             terms = [dyv * (xv * r_wide)] if spec.has_scale else []
             terms += [dyv] if spec.has_bias else []
-            for acc, term in zip(sums, terms):
+            for acc, term in zip(sums, terms, strict=True):
                 view = _chunk(acc, p, 0, c)
                 if valid is not None:  # rows past the end: their statistic may be inf
                     term = jnp.where(valid, term, 0.0)
@@ -367,7 +365,7 @@ def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
     _walk(p, rows, programs, sources, stage, bar, tile)
     plgpu.commit_smem()
     pid = lax.axis_index("programs")
-    for acc, out in zip(sums, partials):
+    for acc, out in zip(sums, partials, strict=True):
         plgpu.copy_smem_to_gmem(acc, out.at[pl.ds(pid * p.acc_rows, p.acc_rows)])
     plgpu.wait_smem_to_gmem(0)
 
@@ -382,53 +380,7 @@ def _backward_scratch(p: Plan, spec: KernelSpec, staged, dx_dtype):
     return [*stage, plgpu.SMEM((2, p.T, p.S), dx_dtype), sums]
 
 
-# ---------------------------------------------------------------- argument checks
-
-
-def _check_rows(name: str, a, spec: KernelSpec, rows: int | None = None) -> None:
-    if a.ndim != 2 or a.shape[1] != spec.n or (rows is not None and a.shape[0] != rows):
-        want = f"({'rows' if rows is None else rows}, {spec.n})"
-        raise ValueError(
-            f"{name} must have shape {want} (rows of spec.n = {spec.n} features), got "
-            f"{a.shape}; reshape it to (-1, {spec.n}) first."
-        )
-    _check_dtype(name, a.dtype)
-
-
-def _check_dtype(name: str, dtype) -> np.dtype:
-    if dtype is None or np.dtype(dtype) not in _DTYPES:
-        raise TypeError(
-            f"{name} must be float32, bfloat16 or float16 for the Mosaic GPU kernels, got "
-            f"{dtype} (use implementation='xla' for other dtypes)."
-        )
-    return np.dtype(dtype)
-
-
-def _check_param(name: str, a, present: bool, spec: KernelSpec) -> None:
-    flag = f"spec.has_{name}"
-    if present and a is None:
-        raise ValueError(f"{name} is None but {flag} is True; pass the {name} or fix the spec.")
-    if not present and a is not None:
-        raise ValueError(f"{name} was given but {flag} is False; pass None or fix the spec.")
-    if a is not None and (a.shape != (spec.n,) or np.dtype(a.dtype) not in _DTYPES):
-        raise ValueError(
-            f"{name} must have shape ({spec.n},) and dtype float32, bfloat16 or float16, "
-            f"got {a.shape} {a.dtype}; reshape or cast it."
-        )
-
-
-def _plan_or_raise(spec, rows, x_dtype, kind, **dtypes) -> Plan:
-    found = plan(spec, rows, x_dtype, kind, **dtypes)
-    if found is None:
-        raise ValueError(
-            f"the Mosaic GPU {kind} kernel does not take {rows} rows of {spec.n} features "
-            f"({np.dtype(x_dtype)}, {dtypes}): check fits(spec, rows, x.dtype, kind={kind!r}, "
-            f"...) first and use another implementation where it is False."
-        )
-    return found
-
-
-def _call(body, name, p: Plan, programs, out_type, scratch, interpret):
+def _call(body, name, programs, out_type, scratch, interpret):
     if interpret and not available():
         raise RuntimeError(
             f"interpret=True needs Mosaic GPU's interpret mode (jax >= 0.11.2); this is jax "
@@ -446,42 +398,42 @@ def _call(body, name, p: Plan, programs, out_type, scratch, interpret):
     )
 
 
-def _sms() -> int:
+def _programs(p: Plan, rows: int, programs: int | None) -> int:
     from .triton_sizing import multiprocessors  # the GPU being compiled for, or an H100
 
-    return multiprocessors()
+    if programs is None:
+        return p.programs(rows, multiprocessors())
+    if not 1 <= programs <= p.blocks(rows):
+        raise ValueError(
+            f"programs must be between 1 and the {p.blocks(rows)} row blocks of this call, "
+            f"got {programs}; pass None for the default."
+        )
+    return programs
 
 
 # ---------------------------------------------------------------- the calls
 
 
-def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, interpret=False):
-    """One pass: ``(y, stat, h)`` of rows ``x`` (``_contract.py``'s contract).
+def forward(
+    spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, interpret=False, programs=None
+):
+    """One pass: ``(y, stat, h)`` of rows ``x``, as ``_contract.py`` specifies.
 
-    Arguments:
-      spec: the static description of the call (n, k, eps, placement, offset, dtypes).
-      x: (rows, n) float32, bfloat16 or float16.
-      scale, bias: (n,) in any of those dtypes, or None (as ``spec`` says).
-      residual: (rows, n) or None. Given, ``h = x.astype(h_dtype) + residual.astype(h_dtype)``
-        is written and normalized (``add_rms_norm``).
-      h_dtype: dtype of h; required with ``residual``.
-      interpret: run on the CPU in Mosaic GPU interpret mode (tests).
-
-    Returns:
-      y (rows, n) in ``spec.out_dtype``; stat (rows,) float32, rsqrt(ms + eps) for
-      "inside" or sqrt(ms) for "outside"; h (rows, n) in ``h_dtype``, or None.
+    ``programs`` (tuning, tests) overrides the persistent grid's size
+    (``Plan.programs``); ``interpret=True`` runs on the CPU. y (rows, n) is in
+    ``spec.out_dtype``, stat (rows,) float32, h (with ``residual``) in ``h_dtype``.
     """
-    _check_rows("x", x, spec)
+    check_rows("x", x, spec)
     rows = x.shape[0]
     if residual is not None:
-        _check_rows("residual", residual, spec, rows)
-        h_dtype = _check_dtype("h_dtype", h_dtype)
-    _check_param("scale", scale, spec.has_scale, spec)
-    _check_param("bias", bias, spec.has_bias, spec)
-    y_dtype = _check_dtype("spec.out_dtype", spec.out_dtype)
+        check_rows("residual", residual, spec, rows)
+        h_dtype = check_dtype("h_dtype", h_dtype)
+    check_param("scale", scale, spec.has_scale, spec)
+    check_param("bias", bias, spec.has_bias, spec)
+    y_dtype = check_dtype("spec.out_dtype", spec.out_dtype)
     res_dtype = None if residual is None else residual.dtype
-    p = _plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
-    programs = p.programs(rows, _sms())
+    p = plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
+    programs = _programs(p, rows, programs)
     shape3 = (rows, p.J, p.S)
     out_type = [out_struct(shape3, y_dtype, x), out_struct((rows,), _F32, x)]
     if residual is not None:
@@ -497,47 +449,38 @@ def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, in
     )
     staged = [a.dtype for a in (x, residual) if a is not None]
     scratch = _forward_scratch(p, staged, y_dtype, None if residual is None else h_dtype)
-    kernel = _call(body, "rms_norm_forward", p, programs, out_type, scratch, interpret)
+    kernel = _call(body, "rms_norm_forward", programs, out_type, scratch, interpret)
     rows3 = [a.reshape(shape3) for a in (x, residual) if a is not None]
     params = [a.reshape(p.J, p.S) for a in (scale, bias) if a is not None]
     y, stat, *h = kernel(*rows3, *params)
     return y.reshape(rows, spec.n), stat, (h[0].reshape(rows, spec.n) if h else None)
 
 
-def backward(spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpret=False):
-    """One pass: ``(dx, dscale_partials, dbias_partials)`` (``_contract.py``'s contract).
+def backward(
+    spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpret=False, programs=None
+):
+    """One pass: ``(dx, dscale_partials, dbias_partials)``, as ``_contract.py`` specifies.
 
     ``dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j x_j r`` with
-    ``gdy = (scale + offset) * dy`` (``_contract.input_grad``), plus ``dh`` when given.
-
-    Arguments:
-      spec: the static description of the call.
-      x: (rows, n), the normalized rows (h for ``add_rms_norm``).
-      dy: (rows, n), the cotangent of y. stat: (rows,) float32, the forward's statistic.
-      scale: (n,) or None. dh: (rows, n) or None, added to dx.
-      dx_dtype: dtype of dx (float32, bfloat16 or float16).
-      interpret: run on the CPU in Mosaic GPU interpret mode (tests).
-
-    Returns:
-      dx (rows, n) in ``dx_dtype``; dscale_partials and dbias_partials (P, n) float32,
-      sums of dy * xhat and of dy over disjoint sets of rows (None where ``spec`` has no
-      scale / bias); their sum over axis 0 is the gradient.
+    ``gdy = (scale + offset) * dy`` (``_contract.input_grad``), plus ``dh`` when given;
+    the partial sums are (P, n) float32, summed over disjoint sets of rows. ``programs``
+    and ``interpret`` as in :func:`forward`.
     """
-    _check_rows("x", x, spec)
+    check_rows("x", x, spec)
     rows = x.shape[0]
-    _check_rows("dy", dy, spec, rows)
+    check_rows("dy", dy, spec, rows)
     if dh is not None:
-        _check_rows("dh", dh, spec, rows)
+        check_rows("dh", dh, spec, rows)
     if stat.shape != (rows,):
         raise ValueError(
             f"stat must have shape ({rows},) (one float32 per row), got {stat.shape}; "
             f"pass the forward's stat reshaped to ({rows},)."
         )
-    _check_param("scale", scale, spec.has_scale, spec)
-    dx_dtype = _check_dtype("dx_dtype", dx_dtype)
+    check_param("scale", scale, spec.has_scale, spec)
+    dx_dtype = check_dtype("dx_dtype", dx_dtype)
     dh_dtype = None if dh is None else dh.dtype
-    p = _plan_or_raise(spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype)
-    programs = p.programs(rows, _sms())
+    p = plan_or_raise(spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype)
+    programs = _programs(p, rows, programs)
     shape3 = (rows, p.J, p.S)
     partials = out_struct((programs * p.acc_rows, p.J, p.S), _F32, x)
     out_type = [out_struct(shape3, dx_dtype, x)]
@@ -547,7 +490,7 @@ def backward(spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpr
     )
     staged = [a.dtype for a in (x, dy, dh) if a is not None]
     scratch = _backward_scratch(p, spec, staged, dx_dtype)
-    kernel = _call(body, "rms_norm_backward", p, programs, out_type, scratch, interpret)
+    kernel = _call(body, "rms_norm_backward", programs, out_type, scratch, interpret)
     args = [x.reshape(shape3), dy.reshape(shape3), stat.astype(_F32)]
     args += [scale.reshape(p.J, p.S)] if scale is not None else []
     args += [dh.reshape(shape3)] if dh is not None else []

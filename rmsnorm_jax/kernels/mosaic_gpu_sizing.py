@@ -22,15 +22,18 @@ import dataclasses
 import itertools
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from ._contract import KernelSpec
 
-__all__ = ["Plan", "fits", "plan"]
+__all__ = ["Plan", "check_dtype", "check_param", "check_rows", "fits", "plan", "plan_or_raise"]
 
-# Dynamic shared memory a block may use on sm_90 (227 KiB, cudaFuncAttribute max), less
-# what Mosaic GPU adds (barriers, 512 bytes of cross-warp reduction scratch, alignment).
-SMEM_BYTES = 227 * 1024 - 2048
+# Dynamic shared memory a block may use on sm_90 (227 KiB, the opt-in maximum that
+# Mosaic GPU checks), and what Mosaic GPU adds to the kernel's buffers (barriers and the
+# cross-warp reduction scratch, each aligned to 1024 bytes).
+SMEM_BYTES = 227 * 1024
+_MOSAIC_SMEM = 2048
 # Shared memory of one SM (228 KiB), of which each resident block also reserves 1 KiB.
 _SM_SMEM_BYTES = 228 * 1024
 # Float32 elements of one array per thread in a chunk: the forward's chunk math holds a
@@ -47,7 +50,7 @@ _MAX_TILE_FEATURES = 2048
 # another's arithmetic; more would cap registers below 128 a thread.
 _MAX_BLOCKS_PER_SM = 4
 _DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
-_DTYPES = (np.dtype(np.float32), np.dtype("bfloat16"), np.dtype(np.float16))
+_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Plan:
     def programs(self, rows: int, sms: int | None = None) -> int:
         """Persistent blocks: as many as fit the SMs' shared memory (at most
         ``_MAX_BLOCKS_PER_SM`` an SM), at most one per block of rows."""
-        per_sm = min(_MAX_BLOCKS_PER_SM, _SM_SMEM_BYTES // (self.smem + 1024 + 2048))
+        per_sm = min(_MAX_BLOCKS_PER_SM, _SM_SMEM_BYTES // (self.smem + 1024))
         return max(1, min(self.blocks(rows), (sms or _DEFAULT_SMS) * per_sm))
 
 
@@ -136,15 +139,17 @@ def _row_dtypes(spec: KernelSpec, x_dtype, kind, residual_dtype, h_dtype, dx_dty
 
 
 def _smem(spec, kind, split, S, T, R, slots, staged, outs, stream=False) -> int:
+    """Shared-memory bytes of one block: every buffer starts at a multiple of 1024 bytes
+    (Pallas Mosaic GPU's alignment), and Mosaic adds its barriers and reduction scratch."""
     n = spec.n
-    stage = slots * R * n * sum(d.itemsize for d in staged)
-    if stream:
-        stage = 2 * T * S * sum(d.itemsize for d in staged)
-    rings = 2 * T * S * sum(d.itemsize for d in outs)
-    stats = 0 if split else 2 * max(T, R) * 4  # the statistic's ring or staged block
-    sums = int(spec.has_scale) + int(spec.has_bias)
-    acc = (1 if split else T) * n * 4 * sums if kind == "backward" else 0
-    return stage + rings + stats + acc + 128 * (len(staged) * slots + 2 * len(outs) + 4)
+    buffers = [2 * T * S * d.itemsize if stream else slots * R * n * d.itemsize for d in staged]
+    buffers += [2 * T * S * d.itemsize for d in outs]  # the output rings
+    if not split:  # the forward's statistic ring, the backward's staged statistic
+        buffers.append(2 * T * 4 if kind == "forward" else slots * -(-R // 32) * 32 * 4)
+    if kind == "backward":
+        sums = int(spec.has_scale) + int(spec.has_bias)
+        buffers += [(1 if split else T) * n * 4] * sums
+    return sum(-(-b // 1024) * 1024 for b in buffers) + _MOSAIC_SMEM
 
 
 def plan(
@@ -229,14 +234,17 @@ def fits(
 
     >>> import numpy as np
     >>> spec = KernelSpec(n=32768, k=32768, eps=1e-6, inside=True, scale_offset=0.0,
-    ...                   has_scale=True, has_bias=False, out_dtype=np.dtype("float32"))
+    ...                   has_scale=True, has_bias=True, out_dtype=np.dtype("float32"))
     >>> fits(spec, 8, np.float32, kind="forward"), fits(spec, 8, np.float32, kind="backward")
     (True, False)
+    >>> import dataclasses  # one float32 sum of 32768 features fits, two (256 KiB) do not
+    >>> fits(dataclasses.replace(spec, has_bias=False), 8, np.float32, kind="backward")
+    True
     """
     if kind is not None:
         dtypes = dict(residual_dtype=residual_dtype, h_dtype=h_dtype, dx_dtype=dx_dtype)
         return plan(spec, rows, x_dtype, kind, **dtypes) is not None
-    f32, bf16 = np.dtype(np.float32), np.dtype("bfloat16")
+    f32, bf16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
     forms = [{}] + [
         dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
         for r, h, d in itertools.product((f32, bf16), repeat=3)
@@ -246,3 +254,49 @@ def fits(
         for k in ("forward", "backward")
         for form in forms
     )
+
+
+# ---------------------------------------------------------------- the calls' arguments
+
+
+def check_rows(name: str, a, spec: KernelSpec, rows: int | None = None) -> None:
+    if a.ndim != 2 or a.shape[1] != spec.n or (rows is not None and a.shape[0] != rows):
+        want = f"({'rows' if rows is None else rows}, {spec.n})"
+        raise ValueError(
+            f"{name} must have shape {want} (rows of spec.n = {spec.n} features), got "
+            f"{a.shape}; reshape it to (-1, {spec.n}) first."
+        )
+    check_dtype(name, a.dtype)
+
+
+def check_dtype(name: str, dtype) -> np.dtype:
+    if dtype is None or np.dtype(dtype) not in _DTYPES:
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16 for the Mosaic GPU kernels, got "
+            f"{dtype} (use implementation='xla' for other dtypes)."
+        )
+    return np.dtype(dtype)
+
+
+def check_param(name: str, a, present: bool, spec: KernelSpec) -> None:
+    flag = f"spec.has_{name}"
+    if present and a is None:
+        raise ValueError(f"{name} is None but {flag} is True; pass the {name} or fix the spec.")
+    if not present and a is not None:
+        raise ValueError(f"{name} was given but {flag} is False; pass None or fix the spec.")
+    if a is not None and (a.shape != (spec.n,) or np.dtype(a.dtype) not in _DTYPES):
+        raise ValueError(
+            f"{name} must have shape ({spec.n},) and dtype float32, bfloat16 or float16, "
+            f"got {a.shape} {a.dtype}; reshape or cast it."
+        )
+
+
+def plan_or_raise(spec, rows, x_dtype, kind, **dtypes) -> Plan:
+    found = plan(spec, rows, x_dtype, kind, **dtypes)
+    if found is None:
+        raise ValueError(
+            f"the Mosaic GPU {kind} kernel does not take {rows} rows of {spec.n} features "
+            f"({np.dtype(x_dtype)}, {dtypes}): check fits(spec, rows, x.dtype, kind={kind!r}, "
+            f"...) first and use another implementation where it is False."
+        )
+    return found
