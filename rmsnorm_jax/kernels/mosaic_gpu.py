@@ -34,6 +34,7 @@ and compiles them for an H100 without one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -479,7 +480,11 @@ def backward(
     check_param("scale", scale, spec.has_scale, spec)
     dx_dtype = check_dtype("dx_dtype", dx_dtype)
     dh_dtype = None if dh is None else dh.dtype
-    p = plan_or_raise(spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype)
+    # The plan sizes dy by spec.out_dtype (dy is y's cotangent): here by dy's own dtype.
+    dy_spec = dataclasses.replace(spec, out_dtype=check_dtype("dy", dy.dtype))
+    p = plan_or_raise(
+        dy_spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype
+    )
     programs = _programs(p, rows, programs)
     shape3 = (rows, p.J, p.S)
     partials = out_struct((programs * p.acc_rows, p.J, p.S), _F32, x)
