@@ -53,13 +53,12 @@ COMPILE_FOR = {"tpu-v5e:4x4": "8,2", "h100x8": "4,2"}
 # Prints compile_for's report as JSON: the example's own function, in a fresh process
 # with JAX_PLATFORMS=cpu (set by train_lm itself when --compile-for is in argv).
 _COMPILE_FOR = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("train_lm", sys.argv[1])
-train_lm = importlib.util.module_from_spec(spec)
-sys.modules["train_lm"] = train_lm
-spec.loader.exec_module(train_lm)
+import json, os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import train_lm  # first: it chooses jax's platforms
+from lm.compile_for import compile_for
 cfg, args = train_lm.parse_args(sys.argv[2:])
-print("REPORT " + json.dumps(train_lm.compile_for(cfg, args.compile_for)))
+print("REPORT " + json.dumps(compile_for(cfg, args.compile_for)))
 """
 
 

@@ -1,5 +1,6 @@
-"""Tests of examples/train_lm.py with a tiny configuration: training, and a workdir that
-never mixes two runs (refused, resumed, overwritten, killed and resumed).
+"""Tests of examples/train_lm.py (the command line) and its parts in examples/lm/ with a tiny
+configuration: training, and a workdir that never mixes two runs (refused, resumed,
+overwritten, killed and resumed).
 
 The example builds its mesh from the default backend's devices: eight host CPUs here
 (conftest.py), one device on a single-GPU machine.
@@ -51,11 +52,21 @@ SAME_RUN = 1e-6
 
 @pytest.fixture(scope="module")
 def train_lm():
+    """The command line, loaded from its file (which puts examples/ on sys.path for lm/)."""
     spec = importlib.util.spec_from_file_location("train_lm", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules["train_lm"] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def lm(train_lm):
+    """The example's package, examples/lm/ (on sys.path once train_lm is loaded)."""
+    import lm
+    import lm.compile_for  # the one part train_lm imports only for --compile-for
+
+    return lm
 
 
 def _tiny(train_lm, **overrides):
@@ -176,17 +187,19 @@ def test_resume_refuses_another_config_and_names_the_fields(train_lm, capsys, co
     assert _snapshot(copied_run) == before
 
 
-def test_resume_keeps_the_saved_schedule(train_lm, first_run):
+def test_resume_keeps_the_saved_schedule(train_lm, lm, first_run):
     """--steps moves where a resumed run stops; its learning-rate schedule stays the one
     it started with, so an extended run does not restart its warmup and decay."""
     workdir = first_run[0]
-    resumed = train_lm.plan_run(_tiny(train_lm, steps=30), workdir, resume=True, overwrite=False)
+    resumed = lm.checkpoint.plan_run(
+        _tiny(train_lm, steps=30), workdir, resume=True, overwrite=False
+    )
     assert (resumed.steps, resumed.schedule_steps, resumed.warmup_steps) == (30, 12, 1)
-    fresh = train_lm.plan_run(_tiny(train_lm, steps=30), workdir, resume=False, overwrite=True)
+    fresh = lm.checkpoint.plan_run(_tiny(train_lm, steps=30), workdir, resume=False, overwrite=True)
     assert (fresh.steps, fresh.schedule_steps, fresh.warmup_steps) == (30, 30, 3)
 
 
-def test_overwrite_then_a_planned_stop_resumes_exactly(train_lm, first_run, copied_run):
+def test_overwrite_then_a_planned_stop_resumes_exactly(train_lm, lm, first_run, copied_run):
     _, uninterrupted, _ = first_run
     # Start afresh, and stop at step 8 on the 12-step schedule of the uninterrupted run.
     code, out = _run(
@@ -194,7 +207,7 @@ def test_overwrite_then_a_planned_stop_resumes_exactly(train_lm, first_run, copi
     )
     assert code == 0
     assert out.startswith(f"--overwrite: removed the previous run in {copied_run} (checkpoints")
-    assert train_lm.checkpoint_steps(copied_run) == [4, 8]  # the old run's 12 is gone
+    assert lm.checkpoint.checkpoint_steps(copied_run) == [4, 8]  # the old run's 12 is gone
     stopped = _metrics(copied_run)
     assert stopped["resumed_from"] is None and len(stopped["train_loss"]) == 8
     np.testing.assert_allclose(
@@ -217,25 +230,24 @@ def test_overwrite_then_a_planned_stop_resumes_exactly(train_lm, first_run, copi
 # Runs the example's command line and kills the process with SIGKILL, as `kill -9` or a
 # preempted machine would, when it reaches a given step: no cleanup, no final files.
 _KILLED_AT_STEP = """
-import importlib.util, os, signal, sys
-spec = importlib.util.spec_from_file_location("train_lm", sys.argv[1])
-train_lm = importlib.util.module_from_spec(spec)
-sys.modules["train_lm"] = train_lm
-spec.loader.exec_module(train_lm)
-kill_at, batch_at = int(sys.argv[2]), train_lm.batch_at
+import os, signal, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import train_lm  # first: it chooses jax's platforms
+import lm.data
+kill_at, batch_at = int(sys.argv[2]), lm.data.batch_at
 
 def batch_or_die(tokens, step, cfg, seed):
     if step == kill_at:
         os.kill(os.getpid(), signal.SIGKILL)
     return batch_at(tokens, step, cfg, seed)
 
-train_lm.batch_at = batch_or_die
+lm.data.batch_at = batch_or_die
 sys.exit(train_lm.main(sys.argv[3:]))
 """
 
 
 def test_a_killed_run_resumes_to_the_final_loss_of_an_uninterrupted_one(
-    train_lm, first_run, tmp_path
+    train_lm, lm, first_run, tmp_path
 ):
     _, uninterrupted, _ = first_run
     workdir = tmp_path / "killed"
@@ -246,7 +258,7 @@ def test_a_killed_run_resumes_to_the_final_loss_of_an_uninterrupted_one(
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     # Killed in step 9: step 4 is saved (orbax finishes a save before it starts the
     # next), step 8 too unless the kill caught it half-written; no metrics, no plot.
-    saved = train_lm.checkpoint_steps(workdir)
+    saved = lm.checkpoint.checkpoint_steps(workdir)
     assert saved[-1] in (4, 8), saved
     assert not (workdir / "metrics.json").exists() and (workdir / "config.json").exists()
 
@@ -261,15 +273,15 @@ def test_a_killed_run_resumes_to_the_final_loss_of_an_uninterrupted_one(
     )
 
 
-def test_compare_refuses_before_training_any_norm(train_lm, tmp_path):
+def test_compare_refuses_before_training_any_norm(train_lm, lm, tmp_path):
     (tmp_path / "layernorm").mkdir()
     (tmp_path / "layernorm" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="layernorm already holds a run"):
-        train_lm.compare(_tiny(train_lm), tmp_path)
+        lm.train.compare(_tiny(train_lm), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layernorm"]
 
 
-def test_compare_gives_the_ratio_with_its_spread(train_lm):
+def test_compare_gives_the_ratio_with_its_spread(lm):
     """The step-time table of --compare: medians and quartiles after 5 warm-up steps, and
     the ratio to LayerNorm with the spread its quartiles allow (numbers by hand)."""
     warm_up = [9.0] * 5  # seconds: compiling; left out
@@ -281,7 +293,7 @@ def test_compare_gives_the_ratio_with_its_spread(train_lm):
             "wall_time": 1,
         }
 
-    rows = train_lm.step_time_table(
+    rows = lm.report.step_time_table(
         {"rmsnorm": run([8, 9, 10, 11, 12]), "layernorm": run([10, 11, 12, 13, 14])}
     )
     by_norm = {r["norm"]: r for r in rows}
@@ -294,7 +306,7 @@ def test_compare_gives_the_ratio_with_its_spread(train_lm):
     assert by_norm["layernorm"]["vs_layernorm"] == 1.0
 
 
-def test_data_and_model_mesh_on_eight_devices(train_lm, first_run, tmp_path):
+def test_data_and_model_mesh_on_eight_devices(train_lm, lm, first_run, tmp_path):
     if jax.device_count() < 8:
         pytest.skip(
             f"needs 8 devices of the default backend (train_lm builds its mesh from "
@@ -302,7 +314,7 @@ def test_data_and_model_mesh_on_eight_devices(train_lm, first_run, tmp_path):
         )
     _, metrics, _ = first_run
     assert metrics["mesh"] == {"data": 8, "model": 1}
-    split = train_lm.train_and_evaluate(
+    split = lm.train.train_and_evaluate(
         _tiny(train_lm, mesh=(4, 2), steps=4, schedule_steps=12), tmp_path
     )
     assert split["mesh"] == {"data": 4, "model": 2}
@@ -311,13 +323,13 @@ def test_data_and_model_mesh_on_eight_devices(train_lm, first_run, tmp_path):
 
 
 @pytest.mark.parametrize("norm", ["prmsnorm", "layernorm"])
-def test_other_norms_train(train_lm, tmp_path, norm):
+def test_other_norms_train(train_lm, lm, tmp_path, norm):
     cfg = _tiny(train_lm, norm=norm, steps=8, checkpoint_every=8)
-    m = train_lm.train_and_evaluate(cfg, tmp_path)
+    m = lm.train.train_and_evaluate(cfg, tmp_path)
     assert np.mean(m["train_loss"][-3:]) < m["train_loss"][0] - 0.3
     # One checkpoint per interval and the last step: none at step 1 (orbax's own policy
     # saves a run's first step too).
-    assert train_lm.checkpoint_steps(tmp_path) == [8]
+    assert lm.checkpoint.checkpoint_steps(tmp_path) == [8]
 
 
 @pytest.mark.parametrize(
@@ -367,14 +379,14 @@ def test_mesh_that_does_not_fit_the_devices(train_lm, capsys, tmp_path):
         ({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234"}, True),
     ],
 )
-def test_multi_process_launch_is_detected(train_lm, env, expected):
-    assert train_lm.launched_as_several_processes(env) is expected
+def test_multi_process_launch_is_detected(lm, env, expected):
+    assert lm.distributed.launched_as_several_processes(env) is expected
 
 
 @pytest.mark.parametrize(
     "target, mesh, unit", [("tpu-v5e:2x2", "2,2", "cycles"), ("h100x8", "4,2", "us")]
 )
-def test_compile_for_a_pod_without_training(train_lm, capsys, tmp_path, target, mesh, unit):
+def test_compile_for_a_pod_without_training(train_lm, lm, capsys, tmp_path, target, mesh, unit):
     if reason := deviceless_skip_reason(target):
         pytest.skip(reason)
     workdir = tmp_path / "w"
@@ -383,12 +395,14 @@ def test_compile_for_a_pod_without_training(train_lm, capsys, tmp_path, target, 
     out = capsys.readouterr().out
     assert target in out and "temporaries" in out and f" {unit} per step" in out
     assert not workdir.exists()  # nothing trained, nothing written
-    report = train_lm.compile_for(train_lm.Config(mesh=tuple(map(int, mesh.split(",")))), target)
+    report = lm.compile_for.compile_for(
+        lm.config.Config(mesh=tuple(map(int, mesh.split(",")))), target
+    )
     assert report["temp_bytes_per_device"] > 0 and report["step_estimate"] > 0
     # Parameters and Adam's two moments in float32, the model axis splitting some.
     params = sum(
         np.prod(a.shape)
-        for a in jax.tree.leaves(train_lm.Trainer(train_lm.Config()).abstract_state["params"])
+        for a in jax.tree.leaves(lm.train.Trainer(lm.config.Config()).abstract_state["params"])
     )
     assert 3 * 4 * params / 2 <= report["state_bytes_per_device"] <= 3 * 4 * params + 1024
 
@@ -402,9 +416,9 @@ def test_compile_for_an_unknown_target(train_lm, capsys):
 # ---------------------------------------------------------------- several processes
 
 
-def _launch_args(train_lm, argv, env):
+def _launch_args(train_lm, lm, argv, env):
     _, args = train_lm.parse_args(argv)
-    return train_lm.distributed_options(args, env)
+    return lm.distributed.distributed_options(args, env)
 
 
 @pytest.mark.parametrize(
@@ -435,8 +449,8 @@ def _launch_args(train_lm, argv, env):
         (["--distributed"], {"SLURM_NTASKS": "4"}, {}),  # jax reads the rest from SLURM
     ],
 )
-def test_distributed_options_from_flags_and_environment(train_lm, argv, env, expected):
-    assert _launch_args(train_lm, argv, env) == expected
+def test_distributed_options_from_flags_and_environment(train_lm, lm, argv, env, expected):
+    assert _launch_args(train_lm, lm, argv, env) == expected
 
 
 @pytest.mark.parametrize(
@@ -465,9 +479,11 @@ def test_distributed_options_from_flags_and_environment(train_lm, argv, env, exp
         ),
     ],
 )
-def test_an_incomplete_launch_is_refused_before_jax_starts(train_lm, capsys, argv, env, message):
+def test_an_incomplete_launch_is_refused_before_jax_starts(
+    train_lm, lm, capsys, argv, env, message
+):
     with pytest.raises(ValueError, match=re.escape(message)):
-        _launch_args(train_lm, argv, env)
+        _launch_args(train_lm, lm, argv, env)
     if not env:  # the command line itself: exit 2 with the message, no traceback
         assert train_lm.main([*argv, "--workdir", "unused"]) == 2
         err = capsys.readouterr().err
@@ -475,19 +491,19 @@ def test_an_incomplete_launch_is_refused_before_jax_starts(train_lm, capsys, arg
 
 
 def test_a_start_that_failed_before_its_first_checkpoint_does_not_block_a_retry(
-    train_lm, monkeypatch, capsys, tmp_path
+    train_lm, lm, monkeypatch, capsys, tmp_path
 ):
     workdir = tmp_path / "w"
-    batch_at = train_lm.batch_at
+    batch_at = lm.data.batch_at
 
     def fail_at_the_first_step(tokens, step, cfg, seed):  # after the workdir is written
         raise RuntimeError("the start fails here")
 
-    monkeypatch.setattr(train_lm, "batch_at", fail_at_the_first_step)
+    monkeypatch.setattr(lm.data, "batch_at", fail_at_the_first_step)
     with pytest.raises(RuntimeError, match="the start fails here"):
         _run(train_lm, "--workdir", workdir)
-    monkeypatch.setattr(train_lm, "batch_at", batch_at)
-    assert train_lm._previous_run(workdir) == ["config.json"]  # what the start left
+    monkeypatch.setattr(lm.data, "batch_at", batch_at)
+    assert lm.checkpoint.previous_run(workdir) == ["config.json"]  # what the start left
 
     # Another command is still refused: that config.json is not its run.
     before = _snapshot(workdir)
@@ -499,7 +515,9 @@ def test_a_start_that_failed_before_its_first_checkpoint_does_not_block_a_retry(
     code, out = _run(train_lm, "--workdir", workdir, "--steps=4", "--schedule-steps=12")
     assert code == 0
     assert out.startswith(f"{workdir} holds what a start of this command left before its first")
-    assert _metrics(workdir)["resumed_from"] is None and train_lm.checkpoint_steps(workdir) == [4]
+    assert _metrics(workdir)["resumed_from"] is None and lm.checkpoint.checkpoint_steps(
+        workdir
+    ) == [4]
 
 
 def _free_port() -> int:
@@ -519,7 +537,7 @@ def _example_env(devices: int) -> dict[str, str]:
     }
 
 
-def test_two_processes_train_as_one_process_with_two_devices(train_lm, tmp_path):
+def test_two_processes_train_as_one_process_with_two_devices(lm, tmp_path):
     """The launch of docs/multihost.md on one machine: two processes started together
     (the issue saw 4 of 6 such launches race on the workdir), one writer and one printer,
     and the run of one process with two devices, bit for bit."""
@@ -553,7 +571,7 @@ def test_two_processes_train_as_one_process_with_two_devices(train_lm, tmp_path)
     assert sorted(p.name for p in workdir.iterdir()) == sorted(
         ["checkpoints", "config.json", "metrics.json", "loss.png"]
     )
-    assert train_lm.checkpoint_steps(workdir) == [8, 12]
+    assert lm.checkpoint.checkpoint_steps(workdir) == [8, 12]
     two, one = _metrics(workdir), _metrics(reference)
     assert (
         (two["devices"], two["mesh"])
