@@ -109,14 +109,18 @@ def _columns(p: Plan, c):
 
 
 def _param(ref, p: Plan, c):
-    """Chunk c of a (J, S) parameter in float32, as a (T, S) chunk; None without one."""
+    """Chunk c of a (J, S) parameter in float32, as a (T, S) chunk; None without one.
+
+    Read from HBM (through L1) where needed, as plain vector loads: ``optimized`` GMEM
+    transfers are not lowered by jax 0.11.2 and need whole 128-byte lines in 0.12."""
     if ref is None:
         return None
     if p.split:
-        return _load(ref.at[pl.ds(c * p.T, p.T), :], p)
-    # Narrow lanes read less than whole 128-byte lines: element by element.
-    whole_lines = p.lanes * p.v * ref.dtype.itemsize % 128 == 0
-    row = plgpu.load(ref.at[c], layout=_layout(p.lanes, p.v).reduce(0), optimized=whole_lines)
+        part = plgpu.load(
+            ref.at[pl.ds(c * p.T, p.T), :], layout=_layout(p.lanes, p.v), optimized=False
+        )
+        return part.astype(_F32)
+    row = plgpu.load(ref.at[c], layout=_layout(p.lanes, p.v).reduce(0), optimized=False)
     row = row.astype(_F32)
     return plgpu.layout_cast(lax.broadcast_in_dim(row, (p.T, p.S), (1,)), _layout(p.lanes, p.v))
 
