@@ -52,6 +52,7 @@ from .mosaic_gpu_sizing import (
     check_param,
     check_rows,
     fits,
+    grid_size,
     plan,
     plan_or_raise,
 )
@@ -94,8 +95,12 @@ def _chunk(ref, p: Plan, row, c):
     return ref.at[pl.ds(row, p.T), c, :]
 
 
-def _load(ref, p: Plan):
-    return plgpu.load(ref, layout=_layout(p.lanes, p.v)).astype(_F32)
+def _load(ref, p: Plan, *, axis=None, optimized=True, raw=False):
+    """A chunk (or, with ``axis``, its rows reduced along ``axis``) in float32 (``raw``:
+    in its own dtype), ``optimized``: vector transfers free of bank conflicts."""
+    layout = _layout(p.lanes, p.v) if axis is None else _layout(p.lanes, p.v).reduce(axis)
+    value = plgpu.load(ref, layout=layout, optimized=optimized)
+    return value if raw else value.astype(_F32)
 
 
 def _iota(p: Plan, axis: int):
@@ -116,13 +121,8 @@ def _param(ref, p: Plan, c):
     if ref is None:
         return None
     if p.split:
-        part = plgpu.load(
-            ref.at[pl.ds(c * p.T, p.T), :], layout=_layout(p.lanes, p.v), optimized=False
-        )
-        return part.astype(_F32)
-    row = plgpu.load(ref.at[c], layout=_layout(p.lanes, p.v).reduce(0), optimized=False)
-    row = row.astype(_F32)
-    return plgpu.layout_cast(lax.broadcast_in_dim(row, (p.T, p.S), (1,)), _layout(p.lanes, p.v))
+        return _load(ref.at[pl.ds(c * p.T, p.T), :], p, optimized=False)
+    return _broadcast(p, _load(ref.at[c], p, axis=0, optimized=False), 0)
 
 
 def _zeros(p: Plan):
@@ -135,12 +135,15 @@ def _row_total(p: Plan, acc):
     return jnp.sum(jnp.sum(acc, axis=1), axis=0) if p.split else jnp.sum(acc, axis=1)
 
 
+def _broadcast(p: Plan, value, dim: int):
+    """A (T,) or (S,) value as a (T, S) chunk, repeated along ``dim``."""
+    wide = lax.broadcast_in_dim(value, (p.T, p.S), (1 - dim,))
+    return plgpu.layout_cast(wide, _layout(p.lanes, p.v))
+
+
 def _spread(p: Plan, per_row):
     """Per-row values (``_row_total``'s shape) as a (T, S) chunk (scalars broadcast)."""
-    if p.split:
-        return per_row
-    wide = lax.broadcast_in_dim(per_row, (p.T, p.S), (0,))
-    return plgpu.layout_cast(wide, _layout(p.lanes, p.v))
+    return per_row if p.split else _broadcast(p, per_row, 1)
 
 
 def _store(value, ring, q, dst) -> None:
@@ -258,11 +261,10 @@ def _forward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_res, i
 
     def rows_in(views):
         """The normalized rows of a chunk: x, or h = x + residual rounded to h's dtype."""
-        xv = plgpu.load(views[0], layout=_layout(p.lanes, p.v))
+        xv = _load(views[0], p, raw=True)
         if res is None:
             return xv
-        rv = plgpu.load(views[1], layout=_layout(p.lanes, p.v))
-        return added(xv, rv, h.dtype, keep=interpret)
+        return added(xv, _load(views[1], p, raw=True), h.dtype, keep=interpret)
 
     def tile(i, block, t, chunk_refs):
         row = block * p.R + t * p.T
@@ -325,10 +327,7 @@ def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
         if p.split:
             st = stat[block]
         else:
-            st = plgpu.load(
-                stage[-1].at[lax.rem(i, p.slots), pl.ds(t * p.T, p.T)],
-                layout=_layout(p.lanes, p.v).reduce(1),
-            )
+            st = _load(stage[-1].at[lax.rem(i, p.slots), pl.ds(t * p.T, p.T)], p, axis=1)
         r = inv_rms(spec, st)
 
         def dot(c, acc):
@@ -403,19 +402,6 @@ def _call(body, name, programs, out_type, scratch, interpret):
     )
 
 
-def _programs(p: Plan, rows: int, programs: int | None) -> int:
-    from .triton_sizing import multiprocessors  # the GPU being compiled for, or an H100
-
-    if programs is None:
-        return p.programs(rows, multiprocessors())
-    if not 1 <= programs <= p.blocks(rows):
-        raise ValueError(
-            f"programs must be between 1 and the {p.blocks(rows)} row blocks of this call, "
-            f"got {programs}; pass None for the default."
-        )
-    return programs
-
-
 # ---------------------------------------------------------------- the calls
 
 
@@ -438,7 +424,7 @@ def forward(
     y_dtype = check_dtype("spec.out_dtype", spec.out_dtype)
     res_dtype = None if residual is None else residual.dtype
     p = plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
-    programs = _programs(p, rows, programs)
+    programs = grid_size(p, rows, programs)
     shape3 = (rows, p.J, p.S)
     out_type = [out_struct(shape3, y_dtype, x), out_struct((rows,), _F32, x)]
     if residual is not None:
@@ -489,7 +475,7 @@ def backward(
     p = plan_or_raise(
         dy_spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype
     )
-    programs = _programs(p, rows, programs)
+    programs = grid_size(p, rows, programs)
     shape3 = (rows, p.J, p.S)
     partials = out_struct((programs * p.acc_rows, p.J, p.S), _F32, x)
     out_type = [out_struct(shape3, dx_dtype, x)]

@@ -27,7 +27,16 @@ import numpy as np
 
 from ._contract import KernelSpec
 
-__all__ = ["Plan", "check_dtype", "check_param", "check_rows", "fits", "plan", "plan_or_raise"]
+__all__ = [
+    "Plan",
+    "check_dtype",
+    "check_param",
+    "check_rows",
+    "fits",
+    "grid_size",
+    "plan",
+    "plan_or_raise",
+]
 
 # Dynamic shared memory a block may use on sm_90 (227 KiB, the opt-in maximum that
 # Mosaic GPU checks), and what Mosaic GPU adds to the kernel's buffers (barriers and the
@@ -300,3 +309,19 @@ def plan_or_raise(spec, rows, x_dtype, kind, **dtypes) -> Plan:
             f"...) first and use another implementation where it is False."
         )
     return found
+
+
+def grid_size(p: Plan, rows: int, programs: int | None = None) -> int:
+    """The persistent grid of a call: ``programs`` if given (checked), else
+    :meth:`Plan.programs` on the SMs of the GPU being compiled for (an H100's 132 where
+    none is known)."""
+    from .triton_sizing import multiprocessors
+
+    if programs is None:
+        return p.programs(rows, multiprocessors())
+    if not 1 <= programs <= p.blocks(rows):
+        raise ValueError(
+            f"programs must be between 1 and the {p.blocks(rows)} row blocks of this call, "
+            f"got {programs}; pass None for the default."
+        )
+    return programs
