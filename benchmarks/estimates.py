@@ -1,22 +1,6 @@
-"""The TPU and GPU compilers' own view of the benchmarks' programs, without a device.
-
-Every program is compiled for one device of a target (``rmsnorm_jax.aot``: the real XLA:TPU
-and XLA:GPU compilers, no hardware) and reported by what the compiled program says: its
-temporary memory, its kernels and the compiler's cost-model estimate of each (TPU: cycles;
-GPU: microseconds). Estimates, not hardware timings: nothing runs and nothing is autotuned,
-and a loop body counts once.
-
-- :func:`estimate_shape`, :func:`estimate_fused`: the isolated ops of ``peers``, forward and
-  forward+backward, beside the copy and traffic baselines compiled the same way;
-- :func:`train_step_memory`: the pre-norm stack's train step per MLP and norm: temporary
-  memory, and its kernels split into matmuls and the rest (:func:`split_kernels`);
-- :func:`train_step_cost`: the estimate of a whole (unrolled) step per norm;
-- :func:`gemma_step`: the Gemma-3-style step per norm, unrolled or scanned;
-- :func:`maxtext_step`: the MaxText-shaped step per norm, scanned or unrolled, per remat
-  policy.
-
-Needs ``JAX_PLATFORMS=cpu`` set before jax is imported and the ``aot`` extra.
-"""
+"""``estimates --target T``: each program compiled deviceless for one device of a TPU or GPU
+(``rmsnorm_jax.aot``), read back as temporary memory, kernels and the cost model's estimates
+(TPU cycles, GPU microseconds): no hardware timing, a loop body counts once."""
 
 from __future__ import annotations
 
@@ -29,108 +13,103 @@ from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import aot
 
-from . import models
-from .peers import (
-    FUSED,
-    IMPLEMENTATIONS,
-    MAXTEXT_NORMS,
-    STEP_FLOOR,
-    copy_baseline,
-    forward_backward,
-    fused_forward_backward,
-    gemma_norms,
-    scale_only,
-    traffic_baseline,
-)
+from . import models, peers, report
+from .peers import IMPLEMENTATIONS, NORM_PEERS, scale_only
 
-MEMORY_FLOOR = STEP_FLOOR
-MEMORY_NORMS = (
-    "rms_norm",
-    "add_rms_norm",
-    "flax RMSNorm",
-    "flax LayerNorm",
-    "jnp + autodiff",
-    MEMORY_FLOOR,
+FEATURES = (256, 1024, 4096, 5120, 8192)
+MEMORY_FLOOR = peers.STEP_FLOOR
+MEMORY_NORMS = ("rms_norm", "add_rms_norm", *NORM_PEERS, MEMORY_FLOOR)
+COST_NORMS = ("rms_norm", *NORM_PEERS)
+GEMMA_MODES, MAXTEXT_MODES = ("unrolled", "scan"), ("scan", "unrolled")
+DEVICELESS = (
+    "Every number is from a deviceless compile: temp memory from the compiled program, estimates "
+    "in {} from the compiler's cost model (not a hardware timing). Under `scan` a loop body "
+    "counts once in the estimates and kernels."
 )
-COST_NORMS = ("rms_norm", "flax RMSNorm", "flax LayerNorm", "jnp + autodiff")
-GEMMA_MODES = ("unrolled", "scan")
-MAXTEXT_MODES = ("scan", "unrolled")
 
 
 def target(name: str) -> aot.Target:
-    """The target called ``name``, refused when its compiler has no cost model."""
-    found = aot.get_target(name)
-    if found.estimate_unit is None:
+    """The target called ``name``; a SystemExit where its compiler has no cost model."""
+    if (found := aot.get_target(name)).estimate_unit is None:
         tpus = ", ".join(n for n in aot.target_names() if n.startswith("tpu"))
-        raise ValueError(
-            f"--target {name}: the compiler has no cost model for {found.name} in this jaxlib, "
-            "so there is nothing to estimate (its programs still compile, with their "
-            f"memory: `python examples/train_lm.py --compile-for {name}`, or rmsnorm_jax.aot); "
-            f"pick h100 or a TPU ({tpus})."
+        raise SystemExit(
+            f"python -m benchmarks: --target {name}: the compiler has no cost model for "
+            f"{found.name} in this jaxlib, so there is nothing to estimate (its programs still "
+            f"compile, with their memory: `python examples/train_lm.py --compile-for {name}`, "
+            f"or rmsnorm_jax.aot); pick h100 or a TPU ({tpus})."
         )
     return found
 
 
-def unit_name(target: aot.Target) -> str:
-    return {"cycles": "TPU cycles", "us": "microseconds"}[target.estimate_unit]
+def header(t: aot.Target, command: str, quick: bool) -> str:
+    """The first words of a deviceless section's page."""
+    smoke = report.caption(quick) + "\n\n" * quick
+    return smoke + f"Target: {t.name} ({t.devices[0].device_kind}); written by `{command}`"
 
 
-def _one_device(target: aot.Target):
-    return jax.sharding.Mesh(target.devices[:1], ("d",))
+def unit(t: aot.Target) -> str:
+    return {"cycles": "TPU cycles", "us": "microseconds"}[t.estimate_unit]
 
 
-def _compiled_estimate(target, fn, *args) -> tuple[float, int]:
-    compiled = target.compile(jax.jit(fn), *args)
-    kernels = aot.kernels(compiled, target)
+def _num(t: aot.Target):
+    return (lambda v: f"{v:,.1f}") if t.estimate_unit == "us" else (lambda v: f"{v:,.0f}")
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """``value / base``; None without a base or where it is 0 (a TPU compiler can keep a
+    small step's temporaries on chip, leaving 0 bytes in HBM)."""
+    return None if value is None or not base else value / base
+
+
+def _compile(t: aot.Target, fn, *shapes, donate=()):
+    """``fn`` compiled for one device of ``t`` on ``ShapeDtypeStruct`` trees."""
+    mesh = jax.sharding.Mesh(t.devices[:1], ("d",))
+    structs = jax.tree.map(lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes)
+    return t.compile(jax.jit(fn, donate_argnums=donate), *structs)
+
+
+def _estimate(t: aot.Target, fn, *shapes) -> tuple[float, int]:
+    kernels = aot.kernels(_compile(t, fn, *shapes), t)
     return sum(k.estimate for k in kernels), len(kernels)
 
 
 # ---------------------------------------------------------------- isolated ops
 
 
-def estimate_shape(target: aot.Target, rows: int, features: int, dtype) -> list[dict]:
-    """One dict per implementation (and the baseline) for x of ``rows x features``: the
-    estimates and kernel counts, forward and forward+backward, with the ratios to the
-    baselines and the speed-up over flax's RMSNorm."""
-    mesh = _one_device(target)
-    x = aot.struct((rows, features), dtype, mesh, P())
-    scale = aot.struct((features,), dtype, mesh, P())
-    programs = {"baseline": (copy_baseline, traffic_baseline)}
-    programs.update({name: (fn, forward_backward(fn)) for name, fn in IMPLEMENTATIONS.items()})
+def estimate_shape(t: aot.Target, rows: int, features: int, dtype) -> list[dict]:
+    """Per implementation and the baselines: the estimates and kernels of the forward and
+    forward+backward, their ratios to the baselines and the speed-up over flax RMSNorm."""
+    x, s = jax.ShapeDtypeStruct((rows, features), dtype), jax.ShapeDtypeStruct((features,), dtype)
+    programs = {"baseline": (peers.copy_baseline, peers.traffic_baseline)}
+    programs |= {name: (fn, peers.forward_backward(fn)) for name, fn in IMPLEMENTATIONS.items()}
     results = []
     for name, (fwd, fwd_bwd) in programs.items():
-        fwd_est, fwd_kernels = _compiled_estimate(target, fwd, x, scale)
-        fb_est, fb_kernels = _compiled_estimate(target, fwd_bwd, x, scale, x)
-        results.append(
-            dict(
-                impl=name,
-                rows=rows,
-                features=features,
-                dtype=jnp.dtype(dtype).name,
-                fwd=fwd_est,
-                fwd_kernels=fwd_kernels,
-                fwd_bwd=fb_est,
-                fwd_bwd_kernels=fb_kernels,
-            )
-        )
-    copy, traffic = results[0]["fwd"], results[0]["fwd_bwd"]
-    flax = next(r for r in results if r["impl"] == "flax RMSNorm")
+        (f, fk), (fb, fbk) = _estimate(t, fwd, x, s), _estimate(t, fwd_bwd, x, s, x)
+        row = dict(impl=name, rows=rows, features=features, dtype=jnp.dtype(dtype).name)
+        results.append(row | dict(fwd=f, fwd_kernels=fk, fwd_bwd=fb, fwd_bwd_kernels=fbk))
+    (base, *_), flax = results, next(r for r in results if r["impl"] == "flax RMSNorm")
     for r in results:
-        r["fwd_vs_baseline"] = r["fwd"] / copy
-        r["fwd_bwd_vs_baseline"] = r["fwd_bwd"] / traffic
+        r["fwd_vs_baseline"], r["fwd_bwd_vs_baseline"] = (
+            r["fwd"] / base["fwd"],
+            r["fwd_bwd"] / base["fwd_bwd"],
+        )
         r["fwd_bwd_speedup_vs_flax"] = flax["fwd_bwd"] / r["fwd_bwd"]
     return results
 
 
-def estimate_fused(target: aot.Target, rows: int, features: int, dtype) -> dict[str, float]:
-    """The compiler's forward+backward estimate of each fused op and its composition."""
-    mesh = _one_device(target)
-    x = aot.struct((rows, features), dtype, mesh, P())
-    scale = aot.struct((features,), dtype, mesh, P())
-    return {
-        name: _compiled_estimate(target, fused_forward_backward(fn), x, x, scale, x)[0]
-        for name, fn in FUSED.items()
-    }
+def estimate_fused(t: aot.Target, rows: int, features: int, dtype) -> list[dict]:
+    """Per fused op and composition: the forward+backward estimate, over the composition's,
+    and the residuals in bytes(x)."""
+    x, s = jax.ShapeDtypeStruct((rows, features), dtype), jax.ShapeDtypeStruct((features,), dtype)
+    fb = peers.fused_forward_backward
+    cost = {n: _estimate(t, fb(fn), x, x, s, x)[0] for n, fn in peers.FUSED.items()}
+    out = []
+    for name, fn in peers.FUSED.items():
+        vs = cost[name] / cost[peers.COMPOSITION.get(name, name)]
+        kept = peers.residual_bytes(fn, x, x, s) / (x.size * x.dtype.itemsize)
+        row = dict(impl=name, features=features, rows=rows, dtype=jnp.dtype(dtype).name)
+        out.append(row | dict(fwd_bwd=cost[name], vs_composition=vs, residual_x=kept))
+    return out
 
 
 # ---------------------------------------------------------------- kernels of a program
@@ -148,261 +127,247 @@ def _computations(text: str) -> dict[str, str]:
         if match and not line.startswith(" "):
             name, lines = match.group(1), []
         elif line.startswith("}") and name is not None:
-            bodies[name] = "\n".join(lines)
-            name = None
+            bodies[name], name = "\n".join(lines), None
         elif name is not None:
             lines.append(line)
     return bodies
 
 
 def _is_matmul(line: str, bodies: dict[str, str], depth: int = 0) -> bool:
+    """Whether an instruction holds a dot or a convolution, itself or in what it calls."""
     if _MATMUL.search(line):
         return True
-    if depth > 3:
-        return False
-    return any(
-        _is_matmul(bodies.get(callee, ""), bodies, depth + 1) for callee in _CALLS.findall(line)
-    )
+    calls = _CALLS.findall(line) if depth <= 3 else []
+    return any(_is_matmul(bodies.get(c, ""), bodies, depth + 1) for c in calls)
 
 
-def split_kernels(compiled, target: aot.Target) -> tuple[list[aot.Kernel], list[aot.Kernel]]:
-    """``(matmul kernels, the others)`` of ``compiled``: a kernel is a matmul when it, or
-    a computation it calls, holds a dot or a convolution (or is a cuBLAS/cuDNN call)."""
-    text = compiled.as_text()
-    bodies = _computations(text)
-    lines = {}
+def kernel_fields(compiled, t: aot.Target) -> dict:
+    """A step's kernels: how many, the matmuls (a dot or convolution, or cuBLAS and cuDNN)
+    and the rest with their estimates, and the five costliest of the rest."""
+    text, lines = compiled.as_text(), {}
     for line in text.splitlines():
-        match = re.match(r"^\s*(?:ROOT\s+)?%?([\w.-]+)\s*=", line)
-        if match:
+        if match := re.match(r"^\s*(?:ROOT\s+)?%?([\w.-]+)\s*=", line):
             lines.setdefault(match.group(1), line)
-    matmul, other = [], []
-    for kernel in aot.kernels(compiled, target):
-        (matmul if _is_matmul(lines.get(kernel.name, ""), bodies) else other).append(kernel)
-    return matmul, other
+    bodies, matmul, other = _computations(text), [], []
+    for k in aot.kernels(compiled, t):
+        (matmul if _is_matmul(lines.get(k.name, ""), bodies) else other).append(k)
+    costliest = [(k.name, k.estimate) for k in sorted(other, key=lambda k: -k.estimate)[:5]]
+    mm, rest = sum(k.estimate for k in matmul), sum(k.estimate for k in other)
+    fields = dict(kernels=len(matmul) + len(other), matmul_kernels=len(matmul), matmul_estimate=mm)
+    return fields | dict(other_kernels=len(other), other_estimate=rest, costliest_other=costliest)
 
 
-def kernel_fields(compiled, target: aot.Target) -> dict:
-    """The kernels of a compiled step: how many, the matmuls and the rest with the sums of
-    their estimates, and the five costliest of the rest (name, estimate)."""
-    matmul, other = split_kernels(compiled, target)
-    return dict(
-        kernels=len(matmul) + len(other),
-        matmul_kernels=len(matmul),
-        matmul_estimate=sum(k.estimate for k in matmul),
-        other_kernels=len(other),
-        other_estimate=sum(k.estimate for k in other),
-        costliest_other=[
-            (k.name, k.estimate) for k in sorted(other, key=lambda k: -k.estimate)[:5]
-        ],
-    )
-
-
-def _hbm_refusal(err: Exception) -> float | None:
-    """Bytes the TPU compiler asked for when it refused a program that exceeds the chip's
-    HBM (it says how much its temporaries need), else None."""
-    need = re.search(r"HLO temporaries \(([\d.]+)G\)", str(err))
-    return None if need is None else float(need.group(1)) * 2**30
-
-
-# ---------------------------------------------------------------- the pre-norm train step
-
-
-def compile_train_step(target: aot.Target, norm, d: int, tokens: int, dtype, **model):
-    """One SGD step of :func:`models.prenorm_stack_train_step` (``model``: its options),
-    compiled for one device of ``target``."""
-    mesh = _one_device(target)
-    step, shapes = models.prenorm_stack_train_step(norm, **model)
-    params = jax.tree.map(
-        lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes(d, jnp.dtype(dtype))
-    )
-    h = aot.struct((tokens, d), jnp.dtype(dtype), mesh, P())
-    return target.compile(jax.jit(step, donate_argnums=0), params, h)
-
-
-def train_step_memory(
-    target: aot.Target,
-    norm_names=MEMORY_NORMS,
-    d: int = 2048,
-    tokens: int = 16384,
-    mlps=models.MLPS,
-    layers: int = 8,
-) -> list[dict]:
-    """One bfloat16 SGD step of the block stack (``lax.scan`` over ``layers``), per MLP and
-    norm: temporary bytes per device and the kernels (:func:`kernel_fields`).
-
-    One dict per (mlp, norm), with ``vs_flax`` (against ``flax RMSNorm`` with the same MLP)
-    and ``vs_floor`` (against ``scale_only``, the least a scaled norm can keep). ``fits``
-    is False where the TPU compiler refused the program for the chip's HBM; then
-    ``temp_bytes`` is what it asked for.
-    """
-    norms = {**IMPLEMENTATIONS, "add_rms_norm": None, MEMORY_FLOOR: scale_only}
-    out = []
-    for mlp in mlps:
-        rows = []
-        for name in norm_names:
-            row = dict(mlp=mlp, norm=name)
-            try:
-                compiled = compile_train_step(
-                    target, norms[name], d, tokens, jnp.bfloat16, mlp=mlp, layers=layers
-                )
-            except jax.errors.JaxRuntimeError as err:
-                if _hbm_refusal(err) is None:
-                    raise
-                row.update(temp_bytes=_hbm_refusal(err), fits=False)
-            else:
-                row.update(temp_bytes=compiled.memory_analysis().temp_size_in_bytes, fits=True)
-                row.update(kernel_fields(compiled, target))
-            rows.append(row)
-        flax = next((r["temp_bytes"] for r in rows if r["norm"] == "flax RMSNorm"), None)
-        floor = next((r["temp_bytes"] for r in rows if r["norm"] == MEMORY_FLOOR), None)
-        for r in rows:
-            r["vs_flax"] = ratio(r["temp_bytes"], flax)
-            r["vs_floor"] = ratio(r["temp_bytes"], floor)
-        out.extend(rows)
-    return out
-
-
-def ratio(value: float | None, base: float | None) -> float | None:
-    """``value / base``, or None where there is no base or it is 0. A TPU compiler keeps
-    a small step's temporaries in on-chip memory (VMEM, CMEM), so its HBM temp bytes can
-    be 0: e.g. the ``--quick`` step (2 blocks, d 256, 512 tokens) on TPU v4, v5e, v6e and
-    TPU7x, where a ratio says nothing."""
-    if value is None or not base:
-        return None
-    return value / base
-
-
-def train_step_cost(
-    target: aot.Target,
-    norm_names=COST_NORMS,
-    d: int = 1024,
-    tokens: int = 8192,
-    dtypes=("float32", "bfloat16"),
-    layers: int = 2,
-) -> list[dict]:
-    """The compiler's estimate of one whole SGD step of the block stack, per norm.
-
-    The isolated forward+backward programs of :func:`estimate_shape` take the cotangent
-    ``dy`` as an input, so XLA may compute ``y`` inside the backward's reduction kernel; in
-    a network ``dy`` depends on ``y`` and it cannot. This is the same comparison where ``y``
-    feeds a matmul and ``dy`` comes back through it: the SwiGLU stack of
-    :func:`models.prenorm_stack_train_step` with its scan unrolled (a loop body would be
-    counted once), parameters and activations in ``dtype``.
-    """
-    out = []
-    for dtype in dtypes:
-        rows = []
-        for name in norm_names:
-            compiled = compile_train_step(
-                target,
-                IMPLEMENTATIONS[name],
-                d,
-                tokens,
-                dtype,
-                layers=layers,
-                mlp="swiglu",
-                unroll=True,
-            )
-            rows.append(dict(dtype=dtype, norm=name, step=aot.estimate(compiled, target)))
-        ours = rows[0]["step"]
-        for r in rows:
-            r["vs_ours"] = ratio(r["step"], ours)
-            r["minus_ours"] = r["step"] - ours
-        out.extend(rows)
-    return out
-
-
-# ---------------------------------------------------------------- the Gemma-3-style step
-
-
-def _compile_on_one_device(target: aot.Target, step, shapes) -> jax.stages.Compiled:
-    """``step(*shapes)`` compiled for one device of ``target``, its first two arguments
-    (the parameters and the optimizer state) donated."""
-    mesh = _one_device(target)
-    structs = jax.tree.map(lambda s: aot.struct(s.shape, s.dtype, mesh, P()), shapes)
-    return target.compile(jax.jit(step, donate_argnums=(0, 1)), *structs)
-
-
-def _step_record(target: aot.Target, record: dict, compile_step, extra=()) -> tuple:
-    """``(record, compiled)`` with the compiled step's temp memory, kernels and the
-    estimates of the whole step and of its non-matmul kernels (and the ``extra`` fields
-    of :func:`kernel_fields`); ``compiled`` None where the TPU compiler refused the
-    program for its HBM (then ``temp_bytes`` is what it asked for)."""
+def _step_record(t: aot.Target, record: dict, compile_step) -> tuple:
+    """``(record, compiled)`` with temp memory, :func:`kernel_fields`, the estimates of the
+    step and of its non-matmul kernels; ``compiled`` None where the TPU compiler refused
+    the step for its HBM (``fits`` False, ``temp_bytes`` what it asked for)."""
     start = time.perf_counter()
     try:
         compiled = compile_step()
     except jax.errors.JaxRuntimeError as err:
-        refused = _hbm_refusal(err)
-        if refused is None:
+        if not (need := re.search(r"HLO temporaries \(([\d.]+)G\)", str(err))):
             raise
-        record.update(fits=False, temp_bytes=refused, compile_s=time.perf_counter() - start)
-        return record, None
-    fields = kernel_fields(compiled, target)
-    record.update(
-        fits=True,
-        temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
-        kernels=fields["kernels"],
-        step=fields["matmul_estimate"] + fields["other_estimate"],
-        non_matmul=fields["other_estimate"],
-        **{key: fields[key] for key in extra},
-        compile_s=time.perf_counter() - start,
-    )
+        record.update(fits=False, temp_bytes=float(need.group(1)) * 2**30)
+        return record | dict(compile_s=time.perf_counter() - start), None
+    fields = kernel_fields(compiled, t)
+    record.update(fits=True, temp_bytes=compiled.memory_analysis().temp_size_in_bytes, **fields)
+    record.update(step=fields["matmul_estimate"] + fields["other_estimate"])
+    record.update(non_matmul=fields["other_estimate"], compile_s=time.perf_counter() - start)
     return record, compiled
 
 
-def compile_gemma_step(
-    target: aot.Target, cfg: models.Config, norm, scan: bool, batch: int, seq: int
+# ---------------------------------------------------------------- the train steps
+
+
+def compile_train_step(t: aot.Target, norm, d: int, tokens: int, dtype, **model):
+    """One SGD step of :func:`models.prenorm_stack_train_step` for one device of ``t``."""
+    step, shapes = models.prenorm_stack_train_step(norm, **model)
+    h = jax.ShapeDtypeStruct((tokens, d), jnp.dtype(dtype))
+    return _compile(t, step, shapes(d, jnp.dtype(dtype)), h, donate=0)
+
+
+def train_step_memory(t, norm_names=MEMORY_NORMS, d=2048, tokens=16384, mlps=models.MLPS, layers=8):
+    """Per MLP and norm, one bfloat16 step (``lax.scan`` over ``layers``): temp bytes and
+    kernels, ``vs_flax`` and ``vs_floor`` (the ``x * scale`` step's)."""
+    norms, out = {**IMPLEMENTATIONS, "add_rms_norm": None, MEMORY_FLOOR: scale_only}, []
+    for mlp in mlps:
+        for name in norm_names:
+            model = dict(mlp=mlp, layers=layers)
+            step = lambda f=norms[name], m=model: compile_train_step(
+                t, f, d, tokens, "bfloat16", **m
+            )
+            out.append(_step_record(t, dict(mlp=mlp, norm=name), step)[0])
+        temp = {r["norm"]: r["temp_bytes"] for r in out if r["mlp"] == mlp}
+        for r in out[-len(norm_names) :]:
+            r["vs_flax"] = ratio(r["temp_bytes"], temp.get("flax RMSNorm"))
+            r["vs_floor"] = ratio(r["temp_bytes"], temp.get(MEMORY_FLOOR))
+    return out
+
+
+def train_step_cost(
+    t, norm_names=COST_NORMS, d=1024, tokens=8192, dtypes=("float32", "bfloat16"), layers=2
 ):
-    """The train step compiled for one device of ``target`` (params and state donated)."""
-    step = models.gemma_train_step(cfg, norm, scan)
-    return _compile_on_one_device(target, step, models.gemma_step_shapes(cfg, scan, batch, seq))
+    """Per dtype and norm, the estimate of a whole SwiGLU step with its scan unrolled (``dy``
+    comes back through a matmul from ``y``, unlike in the isolated programs)."""
+    out = []
+    for dtype in dtypes:
+        for name in norm_names:
+            compiled = compile_train_step(
+                t, IMPLEMENTATIONS[name], d, tokens, dtype, layers=layers, unroll=True
+            )
+            out.append(dict(dtype=dtype, norm=name, step=aot.estimate(compiled, t)))
+        for r in out[-len(norm_names) :]:
+            ours = out[-len(norm_names)]["step"]
+            r.update(vs_ours=ratio(r["step"], ours), minus_ours=r["step"] - ours)
+    return out
 
 
-def gemma_step(target: aot.Target, cfg: models.Config, name: str, mode: str, batch: int, seq: int):
-    """``(record, compiled)``: temp memory, kernels and the estimates of one norm in one
-    mode (``compiled`` None where the TPU compiler refused the program for its HBM)."""
+def gemma_step(t, cfg: models.Config, name: str, mode: str, batch: int, seq: int):
+    """``(record, compiled)`` of the Gemma-3-style step with one norm, ``unrolled`` or ``scan``."""
+    step = models.gemma_train_step(cfg, peers.gemma_norms()[name], mode == "scan")
+    shapes = models.gemma_step_shapes(cfg, mode == "scan", batch, seq)
     record = dict(norm=name, mode=mode, batch=batch, seq=seq, layers=cfg.layers)
-    norm = gemma_norms()[name]
-    return _step_record(
-        target, record, lambda: compile_gemma_step(target, cfg, norm, mode == "scan", batch, seq)
+    return _step_record(t, record, lambda: _compile(t, step, *shapes, donate=(0, 1)))
+
+
+def maxtext_step(t, cfg: models.MaxTextConfig, name, mode: str, remat: str, batch: int, seq: int):
+    """``(record, compiled)`` of the MaxText-shaped step with one norm, mode and remat."""
+    step = models.maxtext_train_step(cfg, peers.MAXTEXT_NORMS[name], mode == "scan", remat)
+    shapes = models.maxtext_step_shapes(cfg, mode == "scan", batch, seq)
+    record = dict(norm=name, mode=mode, remat=remat, batch=batch, seq=seq, layers=cfg.layers)
+    return _step_record(t, record, lambda: _compile(t, step, *shapes, donate=(0, 1)))
+
+
+def add_ratios(records: list[dict], baseline: str, group: tuple[str, ...], suffix: str) -> None:
+    """Each record's temp, step and non-matmul over those of the ``baseline`` norm in its
+    group (``<key>_vs_<suffix>``), and its kernels minus that norm's."""
+    for r in records:
+        same = [b for b in records if b["norm"] == baseline and all(b[k] == r[k] for k in group)]
+        for key in ("temp_bytes", "step", "non_matmul") if same else ():
+            if r.get(key) is not None and same[0].get(key):
+                r[f"{key}_vs_{suffix}"] = r[key] / same[0][key]
+        if same and r.get("kernels") is not None and same[0].get("kernels") is not None:
+            r[f"kernels_minus_{suffix}"] = r["kernels"] - same[0]["kernels"]
+
+
+# ---------------------------------------------------------------- the section
+
+QUICK_SHAPES = dict(
+    memory=dict(layers=2, d=256, tokens=512), cost=dict(layers=1, d=256, tokens=512)
+)
+SHAPES = dict(memory=dict(layers=8, d=2048, tokens=16384), cost=dict(layers=2, d=1024, tokens=8192))
+
+
+def run(args) -> dict:
+    """The ops, fused ops and pre-norm step for ``--target``: ``<target>.md``, ``.json``,
+    ``-summary.md``, ``-fused.md``, ``-fused.json``."""
+    t, mib = target(args.target), 0.25 if args.quick else args.mib
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    out, stem = report.output_dir(args.out, args.quick), t.name.replace(":", "_")
+    print(f"estimates for {t.name}; writing {out / stem}*.md/.json", flush=True)
+    results, fused = [], []
+    for dtype in map(jnp.dtype, args.dtypes):
+        for f in report.numbers(args.features, (256,) if args.quick else FEATURES):
+            rows = max(8, int(mib * 2**20 / (dtype.itemsize * f)))
+            results += estimate_shape(t, rows, f, dtype)
+            fused += estimate_fused(t, rows, f, dtype)
+            print(f"compiled: {t.name} {dtype} {rows}x{f}", flush=True)
+    mlps = ("swiglu",) if args.quick else models.MLPS
+    memory = train_step_memory(t, mlps=mlps, **shapes["memory"])
+    cost = train_step_cost(t, dtypes=args.dtypes, **shapes["cost"])
+    head = header(t, args.command, args.quick) + f"; estimates in {unit(t)} from the compiler's "
+    head += (
+        f"cost model of a deviceless compile (not a hardware timing); x = {mib:g} MiB per shape."
+    )
+    steps = step_tables(t, memory, cost, shapes)
+    saved = dict(target=t.name, unit=t.estimate_unit, command=args.command, quick=args.quick)
+    saved |= dict(
+        jax=jax.__version__, results=results, memory=memory, step_cost=cost, shapes=shapes
+    )
+    report.write(out, stem, saved, f"{head}\n\n{ops_table(t, results)}\n\n{steps}")
+    (out / f"{stem}-summary.md").write_text(f"{head}\n\n{summary_table(results)}\n\n{steps}")
+    fused_head = f"{head} Fused ops against hand-written flax compositions (`flax.linen.RMSNorm`)."
+    report.write(out, f"{stem}-fused", fused, f"{fused_head}\n\n{fused_table(t, fused)}")
+    print((out / f"{stem}-summary.md").read_text())
+    return saved | dict(fused=fused, out=str(out), stem=stem)
+
+
+def ops_table(t, results: list[dict]) -> str:
+    num, u = _num(t), t.estimate_unit
+    head = f"features | dtype | implementation | fwd ({u}) | kernels | fwd / copy | fwd+bwd ({u}) "
+    head += "| kernels | fwd+bwd / traffic | fwd+bwd speed-up vs flax"
+    rows = [f"{r['features']} | {r['dtype']} | {r['impl']} | {num(r['fwd'])} | {r['fwd_kernels']} "
+            f"| {r['fwd_vs_baseline']:.2f} | {num(r['fwd_bwd'])} | {r['fwd_bwd_kernels']} | "
+            f"{r['fwd_bwd_vs_baseline']:.2f} | {r['fwd_bwd_speedup_vs_flax']:.2f}x"
+            for r in results]  # fmt: skip
+    return report.table(head, rows, "rrlrrrrrrr")
+
+
+def summary_table(results: list[dict]) -> str:
+    """Per shape and dtype: rms_norm (p = 1) against the baselines and peers."""
+    rows = []
+    for f, dtype in dict.fromkeys((r["features"], r["dtype"]) for r in results):
+        at = {r["impl"]: r for r in results if (r["features"], r["dtype"]) == (f, dtype)}
+        ours, best = at["rms_norm"], min(at[p]["fwd_bwd"] for p in NORM_PEERS)
+        ups = ", ".join(f"{at[k]['fwd_bwd_speedup_vs_flax']:.2f}x" for k in list(at)[1:4])
+        rows.append(f"{f} | {dtype} | {ours['fwd_vs_baseline']:.2f} | "
+                    f"{ours['fwd_bwd_vs_baseline']:.2f} | "
+                    f"{ours['fwd_bwd'] / best:.2f} | {ups}")  # fmt: skip
+    head = "features | dtype | fwd / copy | fwd+bwd / traffic | fwd+bwd vs best peer "
+    return report.table(head + "| fwd+bwd speed-up vs flax (p=1, p=0.0625, module)", rows, "rlrrrr")
+
+
+def fused_table(t, fused: list[dict]) -> str:
+    head = f"features | dtype | implementation | fwd+bwd ({t.estimate_unit}, estimate) "
+    rows = [f"{r['features']} | {r['dtype']} | {r['impl']} | {r['fwd_bwd']:,.2f} "
+            f"| {r['vs_composition']:.2f} | {r['residual_x']:.2f}" for r in fused]  # fmt: skip
+    return report.table(head + "| vs composition | residuals / bytes(x)", rows, "rllrrr")
+
+
+def step_tables(t, memory: list[dict], cost: list[dict], shapes: dict) -> str:
+    """The train-step part of ``<target>.md`` and ``-summary.md``."""
+    (mem, cst), num, u = shapes.values(), _num(t), t.estimate_unit
+    mlps, norms = (list(dict.fromkeys(r[k] for r in memory)) for k in ("mlp", "norm"))
+    dtypes = list(dict.fromkeys(r["dtype"] for r in cost))
+    by, by_cost = (
+        {(r["mlp"], r["norm"]): r for r in memory},
+        {(r["dtype"], r["norm"]): r for r in cost},
     )
 
+    def temp(r):
+        return f"{r['temp_bytes'] / 2**20:,.0f}" + ("" if r["fits"] else " (does not fit)")
 
-# ---------------------------------------------------------------- the MaxText-shaped step
+    def kernels(r):
+        if not r["fits"]:
+            return f"{r['mlp']} | {r['norm']} | | | | does not fit |"
+        costliest = ", ".join(f"{k} {num(e)}" for k, e in r["costliest_other"][:3])
+        return (f"{r['mlp']} | {r['norm']} | {r['kernels']} | {r['matmul_kernels']} "
+                f"({num(r['matmul_estimate'])}) | {r['other_kernels']} "
+                f"({num(r['other_estimate'])}) | {r['temp_bytes'] / 2**20:,.0f} "
+                f"| {costliest}")  # fmt: skip
 
-
-def compile_maxtext_step(
-    target: aot.Target,
-    cfg: models.MaxTextConfig,
-    norm,
-    scan: bool,
-    remat: str,
-    batch: int,
-    seq: int,
-):
-    """The train step compiled for one device of ``target`` (params and state donated)."""
-    step = models.maxtext_train_step(cfg, norm, scan, remat)
-    return _compile_on_one_device(target, step, models.maxtext_step_shapes(cfg, scan, batch, seq))
-
-
-def maxtext_step(
-    target: aot.Target,
-    cfg: models.MaxTextConfig,
-    name: str,
-    mode: str,
-    remat: str,
-    batch: int,
-    seq: int,
-):
-    """``(record, compiled)`` of one norm of ``MAXTEXT_NORMS`` in one mode (``"scan"`` or
-    ``"unrolled"``) and remat policy: temp memory, kernels (matmuls apart), the estimate
-    of the whole step and of its non-matmul kernels (``compiled`` None where the TPU
-    compiler refused the program for its HBM)."""
-    record = dict(norm=name, mode=mode, remat=remat, batch=batch, seq=seq, layers=cfg.layers)
-    norm = MAXTEXT_NORMS[name]
-    return _step_record(
-        target,
-        record,
-        lambda: compile_maxtext_step(target, cfg, norm, mode == "scan", remat, batch, seq),
-        extra=("matmul_kernels", "costliest_other"),
+    memory_head = "norm | " + " | ".join(f"{m} MLP: MiB | vs flax" for m in mlps)
+    memory_rows = [[n, *(f"{temp(by[m, n])} | {report.x(by[m, n]['vs_flax'])}" for m in mlps)]
+                   for n in norms]  # fmt: skip
+    kernel_head = f"mlp | norm | kernels | matmul kernels (estimate, {u}) "
+    kernel_head += f"| other kernels (estimate, {u}) | temp MiB | costliest other kernels"
+    cost_head = "norm | " + " | ".join(f"{d} step ({u}) | minus rms_norm's" for d in dtypes)
+    cell = lambda r: f"{r['step']:,.0f} | {r['minus_ours']:+,.0f}"
+    cost_rows = [
+        [n, *(cell(by_cost[d, n]) for d in dtypes)] for n in dict.fromkeys(r["norm"] for r in cost)
+    ]
+    memory_table = report.table(memory_head, memory_rows, "l" + "rr" * len(mlps))
+    kernel_table = report.table(kernel_head, map(kernels, memory), "llrrrrl")
+    cost_table = report.table(cost_head, cost_rows, "l" + "rr" * len(dtypes))
+    return (
+        f"Train step: {mem['layers']} pre-norm blocks (two norms, a linear token mixer, an MLP: "
+        f"relu or gelu 4x, SwiGLU 8/3x), bfloat16, `lax.scan`, d = {mem['d']}, {mem['tokens']} "
+        "tokens; temporary memory per device. `x * scale (floor)` keeps what any norm with a "
+        "learnable scale before a matmul must keep (x, for the scale's gradient): no norm can go "
+        f"below it.\n\n{memory_table}\n\nThe same steps' kernels (a matmul kernel holds a dot "
+        f"or a convolution, or calls cuBLAS or cuDNN; a loop body counts once):\n\n{kernel_table}"
+        f"\n\nA whole step, the compiler's estimate ({cst['layers']} SwiGLU blocks, unrolled, "
+        f"d = {cst['d']}, {cst['tokens']} tokens): y feeds a matmul and dy comes back through it, "
+        "so XLA cannot compute y inside the backward's reduction kernel as in the isolated "
+        f"programs.\n\n{cost_table}\n"
     )

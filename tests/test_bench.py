@@ -27,7 +27,7 @@ SMOKE = "smoke run: not a measurement"
 def test_help_says_what_each_section_answers_where_and_where_it_writes():
     text = cli.parser().format_help()
     for section in cli.SECTIONS:
-        assert re.search(rf"^  {section} +\S", text, flags=re.M), section
+        assert re.search(rf"^ +{section}\s+\S", text, flags=re.M), section
     for where in ("device time", "CPU wall", "estimate", "--target", "deviceless"):
         assert where in text
     for written in ("<device>-measured.md", "gemma-<target>.md", "<target>-summary.md"):
@@ -84,6 +84,44 @@ def test_quick_runs_never_write_into_the_committed_results(tmp_path):
     assert report.output_dir(str(tmp_path), quick=True) == tmp_path
 
 
+def test_commands_record_no_path_of_the_machine(tmp_path, monkeypatch):
+    """An absolute ``--out`` is recorded relative to the working folder, or by its last name
+    where it lies outside; a relative one as typed."""
+    monkeypatch.chdir(tmp_path)
+    inside, outside = str(tmp_path / "out" / "RESULTS"), "/elsewhere/RESULTS"
+    assert report.command(["ops", "--out", inside]) == "python -m benchmarks ops --out out/RESULTS"
+    assert report.command(["ops", "--out", outside]).endswith("--out RESULTS")
+    assert report.command(["gemma", "--norms", "gemma's own"]) == (
+        "python -m benchmarks gemma --norms 'gemma'\"'\"'s own'"
+    )
+
+
+ABSOLUTE = re.compile(r"(?<![\w.])/(?:tmp|work|root|home|Users|opt|mnt|var|usr)/|\.venv")
+
+
+@pytest.mark.parametrize("folder", ["benchmarks/results", "docs/results", "examples/results"])
+def test_no_committed_result_holds_a_path_of_a_machine(folder):
+    """Results record commands and machines, never a folder of the machine that wrote them."""
+    import gzip
+
+    for path in sorted((ROOT / folder).rglob("*")):
+        if path.suffix in (".png",) or not path.is_file():
+            continue
+        raw = path.read_bytes()
+        text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode(errors="replace")
+        found = ABSOLUTE.search(text)
+        assert not found, (
+            f"{path.relative_to(ROOT)}: {text[max(0, found.start() - 60) : found.end() + 40]!r}"
+        )
+
+
+def test_results_json_holds_one_record_a_line():
+    saved = {"sections": {"ops": {"command": "c", "results": [{"a": 1, "b": [1, 2]}, {"a": 2}]}}}
+    text = report.dumps(saved)
+    assert json.loads(text) == saved
+    assert text.splitlines()[5].strip() == '{"a": 1, "b": [1, 2]},' and len(text.splitlines()) == 11
+
+
 def test_every_committed_result_has_the_command_that_writes_it():
     """benchmarks/results/README.md names every file there, each in a row with the command
     that wrote it (the current one, or the removed script at a named commit)."""
@@ -94,13 +132,15 @@ def test_every_committed_result_has_the_command_that_writes_it():
             continue
         row = next((r for r in rows if f"`{path.name}`" in r or f"[{path.name}]" in r), None)
         assert row is not None, f"{path.name} is not in benchmarks/results/README.md"
-        assert "python -m benchmarks" in row or "python benchmarks/" in row, row
+        assert "python -m benchmarks" in row or "python benchmarks/" in row or "by hand" in row, row
 
 
 def test_benchmarks_readme_lists_every_section():
     text = (ROOT / "benchmarks" / "README.md").read_text()
     for section in cli.SECTIONS:
         assert f"python -m benchmarks {section}" in text
+    for module in ("kernel_sizes", "kernel_table", "peak", "clients_memory", "compare_jax"):
+        assert f"python -m benchmarks.{module}" in text
 
 
 def test_residual_bytes_are_read_from_shapes():

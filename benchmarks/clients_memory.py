@@ -1,0 +1,294 @@
+"""python -m benchmarks.clients_memory LIBRARY --out FILE: the ``temp_size_in_bytes`` of
+``jax.value_and_grad`` of a next-token loss compiled with a client library's own norm and
+under ``patch_<library>()`` for XLA:CPU, H100 and TPU v5e (deviceless, one device, abstract
+parameters), at the widths of the 270M-1B models with fewer layers, a 32k vocabulary and
+batch 4 x 512. Run it in a client environment of ``.ci/clients.sh`` with the compilers added."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+import warnings
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# --live reads XLA:CPU's buffer assignment of each step, dumped where XLA is told before
+# jax starts.
+DUMP = tempfile.mkdtemp(prefix="clients_memory-") if "--live" in sys.argv else None
+DUMP_FLAGS = f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_loss"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + DUMP_FLAGS * bool(DUMP)
+warnings.simplefilter("ignore", DeprecationWarning)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from rmsnorm_jax import aot, integrations  # noqa: E402
+
+from .report import command, commit, dumps  # noqa: E402
+
+BATCH, LENGTH, VOCAB = 4, 512, 32768
+LAYERS: dict[str, int] = {}  # --layers: a model's layer count, in place of its default
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+# ---------------------------------------------------------------- the models, abstract
+
+
+def _tunix(name: str, dtype, remat: str):
+    """(abstract params, logits(params, tokens)) of a tunix model."""
+    import importlib
+
+    from flax import nnx
+
+    m = importlib.import_module(f"tunix.models.{name}.model")
+    kw = dict(
+        num_layers=LAYERS.get(name, {"llama3": 4}.get(name, 6)),
+        remat_config=getattr(m.RematConfig, remat),
+    )
+    if name == "gemma3":
+        kw |= dict(num_embed=VOCAB, embed_dim=640, hidden_dim=2048, num_heads=4, head_dim=256,
+                   num_kv_heads=1, sliding_window_size=512, param_dtype=dtype)  # fmt: skip
+    elif name == "llama3":
+        kw |= dict(vocab_size=VOCAB, embed_dim=2048, hidden_dim=8192, num_heads=32, head_dim=64,
+                   num_kv_heads=8, rope_theta=500_000, norm_eps=1e-5)  # fmt: skip
+    else:  # qwen3: bfloat16 activations, float32 parameters
+        kw |= dict(vocab_size=VOCAB, embed_dim=1024, hidden_dim=3072, num_heads=16, head_dim=128,
+                   num_kv_heads=8, rope_theta=1_000_000, norm_eps=1e-6, dtype=dtype,
+                   param_dtype=F32)  # fmt: skip
+    cls = {"gemma3": "Gemma3", "llama3": "Llama3", "qwen3": "Qwen3"}[name]
+    model = nnx.eval_shape(lambda: getattr(m, cls)(m.ModelConfig(**kw), rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if name == "llama3" and dtype == BF16:  # no dtype in llama3's config: cast parameters
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, BF16), params)
+    positions = jnp.arange(LENGTH)[None].repeat(BATCH, 0)
+    mask = jnp.tril(jnp.ones((LENGTH, LENGTH), bool))[None].repeat(BATCH, 0)
+    return params, lambda params, tokens: nnx.merge(graphdef, params, rest)(
+        tokens, positions, None, mask
+    )[0]
+
+
+def _gemma(name: str, dtype, remat: str):
+    from gemma import gm
+    from gemma.gm.nn import _config, _modules
+
+    local, glob = _modules.AttentionType.LOCAL_SLIDING, _modules.AttentionType.GLOBAL
+    cfg = _config.TransformerConfig(
+        num_embed=VOCAB, embed_dim=640, hidden_dim=2048, num_heads=4, head_dim=256,
+        num_kv_heads=1, final_logit_softcap=None, use_post_attn_norm=True,
+        use_post_ffw_norm=True, use_qk_norm=True, attention_types=(local,) * 5 + (glob,),
+        sliding_window_size=512, transpose_gating_einsum=True,
+    )  # fmt: skip
+    model = gm.nn.Transformer(config=cfg, dtype=dtype)
+    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+    return params, lambda params, tokens: model.apply({"params": params}, tokens).logits
+
+
+def _equinox(name: str, dtype, remat: str):
+    import equinox as eqx
+
+    dim, layers = 1024, 6
+
+    class Block(eqx.Module):
+        norm1: eqx.nn.RMSNorm
+        attention: eqx.nn.MultiheadAttention
+        norm2: eqx.nn.RMSNorm
+        mlp: eqx.nn.MLP
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.norm1 = eqx.nn.RMSNorm(dim, dtype=dtype)
+            self.attention = eqx.nn.MultiheadAttention(8, dim, key=k1, dtype=dtype)
+            self.norm2 = eqx.nn.RMSNorm(dim, dtype=dtype)
+            self.mlp = eqx.nn.MLP(dim, dim, 4 * dim, 1, jax.nn.gelu, key=k2, dtype=dtype)
+
+        def __call__(self, x):
+            h = jax.vmap(self.norm1)(x)
+            x = x + self.attention(h, h, h, mask=jnp.tril(jnp.ones((LENGTH, LENGTH), bool)))
+            return x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+
+    class LM(eqx.Module):
+        embedding: eqx.nn.Embedding
+        blocks: list
+        norm: eqx.nn.RMSNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            keys = jax.random.split(key, layers + 2)
+            self.embedding = eqx.nn.Embedding(VOCAB, dim, key=keys[0], dtype=dtype)
+            self.blocks = [Block(k) for k in keys[2:]]
+            self.norm = eqx.nn.RMSNorm(dim, dtype=dtype)
+            self.head = eqx.nn.Linear(dim, VOCAB, key=keys[1], dtype=dtype)
+
+        def __call__(self, tokens):
+            x = jax.vmap(self.embedding)(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+    model = eqx.filter_eval_shape(LM, jax.random.key(0))
+    params, static = eqx.partition(model, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+    return params, lambda params, tokens: jax.vmap(eqx.combine(params, static))(tokens)
+
+
+LIBRARIES = {  # (build, patch, [(model, dtype, remat)]); qwen3 bfloat16: float32 parameters
+    "tunix": (_tunix, integrations.patch_tunix, [("gemma3", F32, "NONE"), ("gemma3", BF16, "NONE"),
+              ("llama3", BF16, "BLOCK"), ("qwen3", BF16, "NONE"), ("qwen3", BF16, "DECODER")]),
+    "gemma": (_gemma, integrations.patch_gemma, [("gemma3", F32, "NONE"),
+              ("gemma3", BF16, "NONE")]),
+    "equinox": (_equinox, integrations.patch_equinox, [("lm", F32, "NONE"), ("lm", BF16, "NONE")]),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- compiling
+
+
+def _entry(hlo: str) -> str:
+    """The entry computation of an HLO module's text, its header line first."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    return entry[: entry.index("\n}\n")]
+
+
+def activation_buffers(hlo: str) -> collections.Counter:
+    """Per shape ``[BATCH, LENGTH, d]`` (any dtype), how many instructions of the compiled
+    program's entry computation write a new buffer of it (aliases, parameters and
+    constants aside; a tuple-valued instruction counts once per such element)."""
+    found = collections.Counter()
+    for line in _entry(hlo).splitlines()[1:]:
+        match = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) ([a-z][\w\-]*)\(", line)
+        if not match or match.group(2) in ALIASES:
+            continue
+        for dtype, dims in re.findall(r"\b([a-z]+\d+)\[([\d,]+)\]", match.group(1)):
+            if dims.startswith(f"{BATCH},{LENGTH},") and dims.count(",") == 2:
+                found[f"{dtype}[{dims}]"] += 1
+    return found
+
+
+def live_peak() -> int:
+    """The most bytes of XLA:CPU's temporaries live at once in the newest dumped step, from
+    the buffer assignment (each one's size) and the scheduled program (where each is
+    defined and last used): the temp size less this is what the heap leaves unused."""
+    dumps = [
+        os.path.join(DUMP, f) for f in os.listdir(DUMP) if f.endswith("-buffer-assignment.txt")
+    ]
+    stem = max(dumps, key=os.path.getmtime).removesuffix("-buffer-assignment.txt")
+    sizes, temp = {}, False
+    for line in open(f"{stem}-buffer-assignment.txt"):
+        if line.startswith("allocation "):
+            temp = "preallocated-temp" in line
+        elif temp and (match := re.match(r"\s*value: <\d+ (\S+) @(\d+)> \(size=(\d+)", line)):
+            sizes[match.group(1), match.group(2)] = int(match.group(3))
+    entry = _entry(open(f"{stem}.txt").read())
+    order = {m.group(1): i for i, m in enumerate(re.finditer(r"\n\s*(?:ROOT )?%(\S+) = ", entry))}
+    last, value, reading = {}, None, False
+    for line in open(f"{stem}-buffer-assignment-values.txt"):
+        if match := re.match(r"<\d+ (\S+) @(\d+)>", line):
+            value, reading = (match.group(1), match.group(2)), False
+        elif line.startswith((" uses:", " positions:")):
+            reading = True
+        elif line.startswith(" from instruction"):
+            reading = False
+        elif reading and value in sizes:
+            at = order.get(line.strip().split(",")[0])
+            if at is not None:
+                last[value] = max(last.get(value, -1), at)
+    spans = [(order[v[0]], last.get(v, order[v[0]]), n) for v, n in sizes.items() if v[0] in order]
+    return max(sum(n for s, e, n in spans if s <= at <= e) for at, _, _ in spans)
+
+
+ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant"}
+
+
+def temp_bytes(build, patch, config, target, buffers=None, live=None) -> tuple[int, int]:
+    """(the library's norm, ours): temp bytes of the compiled value_and_grad step; each
+    program's ``activation_buffers`` appended to a list ``buffers``, its ``live_peak()``
+    to a list ``live`` (XLA:CPU, ``--live``)."""
+    mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("devices",))
+    result = []
+    for patched in (False, True):
+        context = patch() if patched else None
+        try:
+            params, logits = build(*config)
+
+            def loss(params, tokens, logits=logits):
+                out = logits(params, tokens)[:, :-1].astype(F32)
+                nll = -jnp.take_along_axis(jax.nn.log_softmax(out), tokens[:, 1:, None], -1)
+                return nll.mean()
+
+            params = jax.tree.map(lambda a: aot.struct(a.shape, a.dtype, mesh, P()), params)
+            tokens = aot.struct((BATCH, LENGTH), jnp.int32, mesh, P())
+            compiled = target.compile(jax.jit(jax.value_and_grad(loss)), params, tokens)
+            result.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            if buffers is not None:
+                buffers.append(activation_buffers(compiled.as_text()))
+            if live is not None:
+                live.append(live_peak())
+            assert not patched or context.calls > 0, repr(context)  # the model was reached
+        finally:
+            if context is not None:
+                context.undo()
+    return tuple(result)
+
+
+OPTIONS = [
+    ("--targets", dict(default="cpu,h100,tpu-v5e")),
+    ("--only", dict(default="", help="comma-separated models, or model:REMAT (qwen3:DECODER)")),
+    ("--out", dict(required=True)),
+    ("--layers", dict(type=int, default=0, help="the tunix models' layer count (default: theirs)")),
+    ("--merge", dict(help="a results file whose other rows --out keeps")),
+    ("--live", dict(action="store_true", help="XLA:CPU: the most temporaries live at once")),
+    ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser("python -m benchmarks.clients_memory", description=__doc__)
+    parser.add_argument("library", choices=sorted(LIBRARIES))
+    for flag, kw in OPTIONS:
+        parser.add_argument(flag, **kw)
+    args = parser.parse_args()
+    build, patch, configs = LIBRARIES[args.library]
+    only = args.only.split(",")
+    configs = [c for c in configs if not args.only or c[0] in only or f"{c[0]}:{c[2]}" in only]
+    provenance = dict(command=command(sys.argv[1:], "python -m benchmarks.clients_memory"))
+    provenance |= dict(commit=commit(), python=platform.python_version(), jax=jax.__version__)
+    rows = []
+    for target in map(aot.get_target, args.targets.split(",")):
+        for model, dtype, remat in configs:
+            start = time.time()
+            LAYERS.update({model: args.layers} if args.layers else {})
+            buffers = [] if args.buffers else None
+            live = [] if args.live and target.name == "cpu" else None
+            theirs, ours = temp_bytes(build, patch, (model, dtype, remat), target, buffers, live)
+            row = dict(library=args.library, model=model, dtype=jnp.dtype(dtype).name, remat=remat)
+            row |= dict(target=target.name, theirs_MiB=round(theirs / 2**20, 1))
+            row |= dict(ours_MiB=round(ours / 2**20, 1), ratio=round(ours / theirs, 3))
+            row |= {"layers": args.layers} if args.layers else {}
+            row |= {"buffers_theirs": buffers[0], "buffers_ours": buffers[1]} if buffers else {}
+            mib = [round(b / 2**20, 1) for b in live or []]
+            row |= {"theirs_live_MiB": mib[0], "ours_live_MiB": mib[1]} if mib else {}
+            rows.append(row | provenance)
+            print(json.dumps(rows[-1]), f"({time.time() - start:.0f} s)", flush=True)
+    if args.merge:  # the rows of another run, less those this run measured again
+        measured = {_key(r) for r in rows}
+        with open(args.merge) as f:
+            rows = [r for r in json.load(f)["rows"] if _key(r) not in measured] + rows
+    with open(args.out, "w") as f:
+        f.write(dumps({"meta": {"batch": [BATCH, LENGTH], "vocab": VOCAB}, "rows": rows}) + "\n")
+
+
+def _key(row: dict) -> tuple:
+    """What a row measures: the same key in two runs is the same measurement."""
+    return tuple(row.get(k) for k in ("library", "model", "dtype", "remat", "target", "layers"))
+
+
+if __name__ == "__main__":
+    main()
