@@ -134,9 +134,12 @@ def test_partial_rms_norm_with_offset_and_both_placements(n, k, inside, dtype):
     _check(spec, dtype, x, scale, None, dy, _run(spec, x, scale, None, dy))
 
 
-@pytest.mark.parametrize("x_dtype, out_dtype", [(jnp.bfloat16, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "x_dtype, out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float16)]
+)
 def test_no_scale_no_bias(x_dtype, out_dtype):
-    """Without parameters the 16-bit forward holds 16-byte vectors of 8 features."""
+    """Without parameters the 16-bit forward holds 16-byte vectors of 8 features; float16
+    y (and dy) of float32 rows."""
     spec = _spec(256, out_dtype, scale=False, bias=False)
     x, _, _, dy = _inputs(9, 256, x_dtype, seed=3)
     dy = dy.astype(out_dtype)

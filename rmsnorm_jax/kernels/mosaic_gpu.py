@@ -16,7 +16,7 @@ constants say why each is chosen; none is tuned on a GPU yet):
 - Wider rows: one row a block, in chunks of T splits x S features; a row's sum crosses
   the 4 warps once per pass (through shared memory). A row staged whole where it fits
   shared memory, else streamed: each pass loads its chunks again (the second time
-  mostly from L2) through two-slot rings.
+  mostly from L2; dh, where given, too) through two-slot rings.
 - Threads hold vectors of v features: 16 bytes of the widest operand (float32 wherever a
   parameter or a partial sum is), so shared-memory transfers are 8 or 16 bytes.
 - Two passes over the rows: the mean square (forward) or ``sum_j gdy_j x_j``

@@ -10,10 +10,20 @@ S features and ``32 / lanes`` of its rows, and the 4 warps of the warpgroup spli
 - ``split=False`` (row tiles, narrow rows): a chunk is T rows of one split; a row's sum is
   reduced in registers over its splits, then across the lanes of its warp.
 - ``split=True`` (one row per block, wide rows): a chunk is T splits of one row; its sum is
-  reduced over the chunk's elements, then across the 4 warps (through shared memory).
+  reduced over the chunk's elements, then across the 4 warps (through shared memory). The
+  row is staged whole where it fits, else ``stream``ed: loaded chunk by chunk per pass.
+
+What the kernels take (:func:`fits`): rows whose features split into 16-byte TMA rows
+(n a multiple of 8 with a 16-bit operand, of 4 with float32 ones) and whose blocks fit
+shared memory: every such width up to 32768 features in both directions with one
+parameter sum (the backward keeps a float32 row per sum in shared memory, so scale and
+bias together stop at 24576), the forward up to 65536 (bfloat16; float32 streamed).
+Wider rows, and widths that tile neither way (2880 with both sums), stay on XLA: a row
+split over a cluster's shared memory is not written.
 
 Nothing here is tuned on a GPU (none was at hand): the constants below are first choices
-from the H100's limits, each with its reason, for a GPU run to revisit.
+from the H100's limits (the B200's are the same), each with its reason, for a GPU run
+to revisit.
 """
 
 from __future__ import annotations
