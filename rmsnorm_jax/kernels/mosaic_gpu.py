@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,9 @@ from .mosaic_gpu_sizing import (
 __all__ = ["available", "backward", "fits", "forward", "plan"]
 
 _F32 = jnp.float32
+# plgpu.load(ref, *, layout, optimized) since jax 0.11 (0.10 also took an index): typed
+# loosely so that a type check against either passes.
+_plgpu_load: Callable[..., Any] = plgpu.load
 
 
 def available() -> bool:
@@ -79,12 +84,8 @@ def _layout(lanes: int, v: int):
     tiled = fa.TiledLayout(
         tiling, warp_dims=(-6, -5), lane_dims=(-4, -3), vector_dim=-1, _check_canonical=False
     ).canonicalize()
-    return plgpu.Layout.TILED(
-        tiled.tiling,
-        warp_dims=tiled.warp_dims,
-        lane_dims=tiled.lane_dims,
-        vector_dim=tiled.vector_dim,
-    )
+    fields = ("tiling", "warp_dims", "lane_dims", "vector_dim")
+    return plgpu.Layout.TILED(*(getattr(tiled, name) for name in fields))
 
 
 def _chunk(ref, p: Plan, row, c):
@@ -99,7 +100,7 @@ def _load(ref, p: Plan, *, axis=None, optimized=True, raw=False):
     """A chunk (or, with ``axis``, its rows reduced along ``axis``) in float32 (``raw``:
     in its own dtype), ``optimized``: vector transfers free of bank conflicts."""
     layout = _layout(p.lanes, p.v) if axis is None else _layout(p.lanes, p.v).reduce(axis)
-    value = plgpu.load(ref, layout=layout, optimized=optimized)
+    value = _plgpu_load(ref, layout=layout, optimized=optimized)
     return value if raw else value.astype(_F32)
 
 
@@ -249,8 +250,8 @@ def _stage_types(p: Plan, dtypes, stat: bool = False):
 # ---------------------------------------------------------------- forward
 
 
-def _forward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_res, interpret):
-    refs = list(refs)
+def _forward_kernel(*kernel_refs, spec: KernelSpec, p: Plan, rows, programs, has_res, interpret):
+    refs = list(kernel_refs)
     x, res = refs.pop(0), refs.pop(0) if has_res else None
     scale = refs.pop(0) if spec.has_scale else None
     bias = refs.pop(0) if spec.has_bias else None
@@ -311,8 +312,8 @@ def _forward_scratch(p: Plan, staged, y_dtype, h_dtype):
 # ---------------------------------------------------------------- backward
 
 
-def _backward_kernel(*refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
-    refs = list(refs)
+def _backward_kernel(*kernel_refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
+    refs = list(kernel_refs)
     x, dy, stat = refs.pop(0), refs.pop(0), refs.pop(0)
     scale = refs.pop(0) if spec.has_scale else None
     dh = refs.pop(0) if has_dh else None

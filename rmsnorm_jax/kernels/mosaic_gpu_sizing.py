@@ -203,9 +203,11 @@ def plan(
 def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
     # The widest vectors that leave 8 lanes or more across a split (a quarter warp reads
     # 128 contiguous bytes), else the most lanes.
-    found = [(_split_width(spec.n, v, sector), v) for v in (8, 4, 2, 1) if v * widest <= 16]
-    found = [(min(sw[1], 8), v, sw[1], sw[0]) for sw, v in found if sw is not None]
-    found = [c for c in found if c[2] == 32 or not split]
+    found = []
+    for v in (8, 4, 2, 1):
+        sw = _split_width(spec.n, v, sector) if v * widest <= 16 else None
+        if sw is not None and (sw[1] == 32 or not split):
+            found.append((min(sw[1], 8), v, sw[1], sw[0]))
     if not found:
         return None
     _, v, lanes, S = max(found)
@@ -264,7 +266,7 @@ def fits(
         dtypes = dict(residual_dtype=residual_dtype, h_dtype=h_dtype, dx_dtype=dx_dtype)
         return plan(spec, rows, x_dtype, kind, **dtypes) is not None
     f32, bf16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
-    forms = [{}] + [
+    forms: list[dict] = [{}] + [
         dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
         for r, h, d in itertools.product((f32, bf16), repeat=3)
     ]
