@@ -41,6 +41,6 @@ run() {  # run SECONDS COMMAND...: the command under a timeout, its output into 
 } 2>&1 | tee "$log"
 rm -f RESULTS
 # Nothing that comes back names a folder of this machine.
-prefix=$($python -c "import sys; print(sys.prefix)")
-sed -i -e "s#$PWD/##g" -e "s#$site#SITE#g" -e "s#$out#RESULTS#g" -e "s#$prefix#PYTHON#g" \
-  -E -e 's#/(tmp|root|home|opt|usr|work)/[^ :"'"'"')]*#<path>#g' "$log"
+prefix=$($python -c "import sys; print(sys.prefix)" | tail -n 1)
+sed -i -e "s#$PWD/##g" -e "s#$site#SITE#g" -e "s#$out#RESULTS#g" -e "s#$prefix#PYTHON#g" "$log"
+sed -i -E 's#/(tmp|root|home|opt|usr|work)/[^ :,"'"'"')]*#<path>#g' "$log"

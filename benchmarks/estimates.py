@@ -101,7 +101,7 @@ def estimate_fused(t: aot.Target, rows: int, features: int, dtype) -> list[dict]
     """Per fused op and composition: the forward+backward estimate, over the composition's,
     and the residuals in bytes(x)."""
     x, s = jax.ShapeDtypeStruct((rows, features), dtype), jax.ShapeDtypeStruct((features,), dtype)
-    fb = peers.fused_forward_backward
+    fb = peers.forward_backward
     cost = {n: _estimate(t, fb(fn), x, x, s, x)[0] for n, fn in peers.FUSED.items()}
     out = []
     for name, fn in peers.FUSED.items():

@@ -36,7 +36,7 @@ def programs_for(n: int, dtype, sms: int, quick: bool) -> dict:
         fwd = lambda x, s, w=w: triton.forward(spec, x, s, None, warps=w)[:2]
         out[f"fwd warps={w or 'default'}"] = (fwd, (x, scale))
     for w in (None,) if quick else (None, 4, 8):
-        for g in (None,) if quick else (None, sms, 2 * sms, 4 * sms, rows):
+        for g in (None,) if quick else (None, sms, 2 * sms, 4 * sms):
             bwd = functools.partial(_bwd, spec, dx_dtype=dtype, programs=g, warps=w)
             out[f"bwd warps={w or 'default'} programs={g or 'default'}"] = (
                 bwd,

@@ -1,8 +1,6 @@
-"""python -m benchmarks.peak {step,gemma} ... --norm NAME: one train step's peak memory.
-
-Runs the one program that ``step`` or ``gemma`` times with that norm once in this fresh
-process (a process's peak cannot be reset) and prints ``{"peak_bytes", "before_bytes"}``.
-"""
+"""python -m benchmarks.peak {step,gemma} ... --norm NAME: one train step's peak memory: the
+one program ``step`` or ``gemma`` times with that norm, run once in this fresh process (a
+process's peak cannot be reset); prints ``{"peak_bytes", "before_bytes"}``."""
 
 from __future__ import annotations
 
@@ -16,17 +14,11 @@ from . import gemma, peers, step, timing
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.peak")
-    sub = p.add_subparsers(dest="section", required=True)
-    s, g = sub.add_parser("step"), sub.add_parser("gemma")
-    s.add_argument("--mlp", required=True)
-    s.add_argument("--dtype", required=True)
-    g.add_argument("--mode", required=True, choices=gemma.MODES)
-    g.add_argument("--batch", type=int, required=True)
-    g.add_argument("--seq", type=int, required=True)
-    for sp in (s, g):
-        sp.add_argument("--norm", required=True)
-        sp.add_argument("--quick", action="store_true")
+    p = argparse.ArgumentParser("python -m benchmarks.peak")
+    p.add_argument("section", choices=("step", "gemma"))
+    for flag in ("--norm", "--mlp", "--dtype", "--mode", "--batch", "--seq"):
+        p.add_argument(flag, type=int if flag in ("--batch", "--seq") else str)
+    p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     platform = timing.device_platform(jax.devices()[0])
     if args.section == "step":
@@ -40,12 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     fargs = jax.block_until_ready(fargs)
     before = timing.memory_stats() or {}
     jax.block_until_ready(jax.jit(fn)(*fargs))
-    after = timing.memory_stats() or {}
-    print(
-        json.dumps(
-            dict(peak_bytes=after.get("peak_bytes_in_use"), before_bytes=before.get("bytes_in_use"))
-        )
-    )
+    peak = (timing.memory_stats() or {}).get("peak_bytes_in_use")
+    print(json.dumps(dict(peak_bytes=peak, before_bytes=before.get("bytes_in_use"))))
     return 0
 
 

@@ -4,6 +4,7 @@ shares (a device time, a CPU time and an estimate of one name are of the same pr
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -86,20 +87,12 @@ BASELINE_MOVES = {"copy baseline": 2, "traffic baseline": 4}
 
 
 def forward_backward(fn):
-    """``(y, (dx, dscale))`` of ``fn(x, scale)`` for the cotangent ``dy``."""
+    """``(outputs, gradients)`` of ``fn(x, scale)`` or ``fn(x, other, scale)``, the last
+    argument ``dy`` the cotangent of every output: one program."""
 
-    def run(x, scale, dy):
-        y, vjp = jax.vjp(fn, x, scale)
-        return y, vjp(dy)
-
-    return run
-
-
-def fused_forward_backward(fn):
-    """The outputs of ``fn(x, other, scale)`` and the gradients, ``dy`` for every output."""
-
-    def run(x, other, scale, dy):
-        out, vjp = jax.vjp(fn, x, other, scale)
+    def run(*args):
+        *args, dy = args
+        out, vjp = jax.vjp(fn, *args)
         return out, vjp(jax.tree.map(lambda o: dy.astype(o.dtype), out))
 
     return run
@@ -133,18 +126,26 @@ class OpProgram:
 
 def _tokamax(implementation: str, platform: str) -> tuple:
     """``(tokamax's norm on one of its paths, "ok", "")``, or ``(None, status, why)``."""
+    if importlib.util.find_spec("tokamax") is None:
+        return (
+            None,
+            "missing",
+            "tokamax is not installed (optional peer: Python >= 3.12, jax >= 0.11.1)",
+        )
+    if implementation == "triton" and platform != "gpu":
+        return None, "skipped", "GPU only (Triton through jax_triton)"
     try:
         import tokamax
         from tokamax._src.ops.normalization import api
-    except ImportError as err:
-        return None, "missing", f"tokamax is not installed (Python >= 3.12, jax >= 0.11.1): {err}"
-    if implementation == "triton" and platform != "gpu":
-        return None, "skipped", "GPU only (Triton through jax_triton)"
-    if implementation not in api.IMPLEMENTATIONS:
-        try:  # why tokamax left its kernel out
+
+        if implementation not in api.IMPLEMENTATIONS:  # tokamax left it out: why
             from tokamax._src.ops.normalization import triton  # noqa: F401
-        except ImportError as err:
-            return None, "missing", f"tokamax has no {implementation} path here: {err}"
+    except Exception as err:
+        return (
+            None,
+            "missing",
+            f"tokamax has no {implementation} path here: {type(err).__name__}: {err}",
+        )
     kw = dict(epsilon=EPS, subtract_mean=False, implementation=implementation)
     return (lambda x, s: tokamax.layer_norm(x, s, None, **kw)), "ok", ""
 
@@ -157,7 +158,7 @@ def op_programs(platform: str) -> list[OpProgram]:
     ]
 
     def add(name, group, role, fn, status="ok", note=""):
-        bwd = fn and (forward_backward if group == "norm" else fused_forward_backward)(fn)
+        bwd = fn and forward_backward(fn)
         progs.append(OpProgram(name, group, role, fn, bwd, note, status))
 
     for name, fn in IMPLEMENTATIONS.items():
