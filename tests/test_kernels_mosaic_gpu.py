@@ -32,6 +32,16 @@ INTERPRET = jax.default_backend() != "gpu"
 EPS = 1e-5
 
 
+def _race_checked():
+    """Interpret mode with the interpreter's happens-before race detector (raising at the
+    first race: the kernels synchronize TMA copies, rings and slots by hand), or the GPU."""
+    if not INTERPRET:
+        return False
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
+
+
 def _inputs(rows, n, dtype, seed=0, param_dtype=jnp.float32):
     keys = jax.random.split(jax.random.key(seed), 4)
     x = (2.0 * jax.random.normal(keys[0], (rows, n))).astype(dtype)
@@ -56,13 +66,13 @@ def _oracle(spec, x, scale, bias, dy):
     return y, stat, vjp(dy)
 
 
-def _run(spec, x, scale, bias, dy, **kw):
+def _run(spec, x, scale, bias, dy, interpret=INTERPRET):
     scale = scale if spec.has_scale else None
     bias = bias if spec.has_bias else None
-    y, stat, h = mosaic_gpu.forward(spec, x, scale, bias, interpret=INTERPRET, **kw)
+    y, stat, h = mosaic_gpu.forward(spec, x, scale, bias, interpret=interpret)
     assert h is None
     dx, dscale, dbias = mosaic_gpu.backward(
-        spec, x, dy, stat, scale, dx_dtype=x.dtype, interpret=INTERPRET, **kw
+        spec, x, dy, stat, scale, dx_dtype=x.dtype, interpret=interpret
     )
     return y, stat, dx, dscale, dbias
 
@@ -113,13 +123,14 @@ def test_forward_and_backward_match_the_float64_formula(dtype, rows, n):
 
 
 def test_wide_rows_staged_forward_and_streamed_backward():
-    """16384 features float32: the forward stages the row (and needs two chunks' worth
-    of splits per pass), the backward's two sums leave no room for the row: streamed."""
+    """16384 features float32: the forward stages the row (two chunks per pass), the
+    backward's two sums leave no room for the row: streamed. Free of data races."""
     spec = _spec(16384, jnp.float32, offset=1.0)
     x, scale, bias, dy = _inputs(3, 16384, jnp.float32, seed=8)
     assert not mosaic_gpu.plan(spec, 3, jnp.float32, "forward").stream
     assert mosaic_gpu.plan(spec, 3, jnp.float32, "backward").stream
-    _check(spec, jnp.float32, x, scale, bias, dy, _run(spec, x, scale, bias, dy))
+    got = _run(spec, x, scale, bias, dy, interpret=_race_checked())
+    _check(spec, jnp.float32, x, scale, bias, dy, got)
 
 
 @pytest.mark.parametrize(
@@ -214,13 +225,18 @@ def test_residual_form(x_dtype, res_dtype, h_dtype, n):
 def test_persistent_backward_partials_hold_each_programs_rows(n, rows, programs):
     """Program p walks row blocks p, p + programs, ... (both staging slots, a partial
     last block of 4 rows at 2048 features) and writes the sums of its rows only; eps = 0
-    with "outside": rows past the end would give nan without the masks."""
+    with "outside": rows past the end would give nan without the masks. Free of data
+    races (slots refilled while the other is read, rings, the statistic's ring)."""
     spec = _spec(n, jnp.float32, eps=0.0, inside=False)
     x, scale, bias, dy = _inputs(rows, n, jnp.float32, seed=7)
     plan = mosaic_gpu.plan(spec, rows, jnp.float32, "backward")
-    _, stat, _ = mosaic_gpu.forward(spec, x, scale, bias, interpret=INTERPRET)
+    races = _race_checked()
+    forward_blocks = mosaic_gpu.plan(spec, rows, jnp.float32, "forward").blocks(rows)
+    _, stat, _ = mosaic_gpu.forward(
+        spec, x, scale, bias, interpret=races, programs=min(programs, forward_blocks)
+    )
     dx, dscale, dbias = mosaic_gpu.backward(
-        spec, x, dy, stat, scale, dx_dtype=jnp.float32, interpret=INTERPRET, programs=programs
+        spec, x, dy, stat, scale, dx_dtype=jnp.float32, interpret=races, programs=programs
     )
     assert dscale.shape == dbias.shape == (programs * plan.acc_rows, n)
     with jax.enable_x64(True):

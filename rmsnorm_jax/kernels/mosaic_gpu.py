@@ -27,9 +27,8 @@ constants say why each is chosen; none is tuned on a GPU yet):
   its rows once at the end: ``(programs * rows, n)`` partial sums that the caller sums
   (a fixed order, no atomics).
 
-``interpret=True`` runs the same kernels on the CPU (``plgpu.InterpretGPUParams``, jax >=
-0.11.2). ``tests/test_kernels_mosaic_gpu.py`` compares them with the float64 formula there
-and compiles them for an H100 without one.
+``interpret=True`` (or a ``plgpu.InterpretGPUParams``, e.g. with ``detect_races=True``)
+runs the same kernels on the CPU (jax >= 0.11.2): ``tests/test_kernels_mosaic_gpu.py``.
 """
 
 from __future__ import annotations
@@ -173,6 +172,7 @@ def _staged(p: Plan, rows: int, programs: int, sources, stage, bar, tile) -> Non
 
     def fetch(i, slot):
         block = pid + i * programs
+        plgpu.commit_smem()  # the slot's reads before the TMA's writes (generic -> async)
         for src, dst in zip(sources, stage, strict=True):
             rows_ = dst.shape[1]  # the statistic's staging may be wider (whole 128 bytes)
             plgpu.copy_gmem_to_smem(src.at[pl.ds(block * p.R, rows_)], dst.at[slot], bar.at[slot])
@@ -210,6 +210,7 @@ def _streamed(p: Plan, rows: int, programs: int, sources, rings, bar, tile) -> N
     def fetch(g):
         row = pid + g // (2 * p.chunks) * programs
         slot = lax.rem(g, 2)
+        plgpu.commit_smem()  # the slot's reads before the TMA's writes (generic -> async)
         for src, ring in zip(sources, rings, strict=True):
             plgpu.copy_gmem_to_smem(
                 _chunk(src, p, row, lax.rem(g, p.chunks)), ring.at[slot], bar.at[slot]
@@ -265,7 +266,7 @@ def _forward_kernel(*kernel_refs, spec: KernelSpec, p: Plan, rows, programs, has
         xv = _load(views[0], p, raw=True)
         if res is None:
             return xv
-        return added(xv, _load(views[1], p, raw=True), h.dtype, keep=interpret)
+        return added(xv, _load(views[1], p, raw=True), h.dtype, keep=bool(interpret))
 
     def tile(i, block, t, chunk_refs):
         row = block * p.R + t * p.T
@@ -398,7 +399,7 @@ def _call(body, name, programs, out_type, scratch, interpret):
         grid_names=("programs",),
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
+        interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None,
         kernel_name=name,
     )
 
@@ -412,7 +413,8 @@ def forward(
     """One pass: ``(y, stat, h)`` of rows ``x``, as ``_contract.py`` specifies.
 
     ``programs`` (tuning, tests) overrides the persistent grid's size
-    (``Plan.programs``); ``interpret=True`` runs on the CPU. y (rows, n) is in
+    (``Plan.programs``); ``interpret`` (True or ``plgpu.InterpretGPUParams``) runs
+    on the CPU. y (rows, n) is in
     ``spec.out_dtype``, stat (rows,) float32, h (with ``residual``) in ``h_dtype``.
     """
     check_rows("x", x, spec)
