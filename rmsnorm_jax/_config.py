@@ -173,9 +173,7 @@ def _axis_name_size(axis_name: Hashable) -> int:
 
 
 def norm_config(
-    shape,
-    x_dtype,
-    *,
+    x,
     scale=None,
     eps=1e-6,
     bias=None,
@@ -186,16 +184,19 @@ def norm_config(
     dtype=None,
     axis_name=None,
     mask=None,
+    *,
     promote_with=(),
 ):
-    """Checks the norm's arguments for an ``x`` of ``shape`` and ``x_dtype``.
+    """Checks the norm's arguments for the rows of ``x`` (anything with a ``shape`` and a
+    ``dtype``: an array or a ``jax.ShapeDtypeStruct``), in :func:`rmsnorm_jax.rms_norm`'s
+    order.
 
     Returns ``(cfg, scale, bias, mask)``: the static :class:`NormConfig` and the
     validated arrays. ``promote_with``: further dtypes that enter the default output
     dtype (a gate's). The defaults are ``rms_norm``'s (a test holds them equal), for
     ``kernels.explain``, which describes a call without making it.
     """
-    shape = tuple(shape)
+    shape, x_dtype = tuple(x.shape), x.dtype
     axes = normalize_axes(axis, len(shape))
     scale = check_param("scale", scale, shape)
     bias = check_param("bias", bias, shape)

@@ -103,19 +103,9 @@ def add_rms_norm(
     if residual_dtype is None:
         residual_dtype = jnp.promote_types(x.dtype, residual.dtype)
     residual_dtype = check_dtype(residual_dtype)
+    h_type = jax.ShapeDtypeStruct(x.shape, residual_dtype)
     cfg, scale, bias, mask = norm_config(
-        x.shape,
-        residual_dtype,
-        scale=scale,
-        eps=eps,
-        bias=bias,
-        axis=axis,
-        p=p,
-        scale_offset=scale_offset,
-        eps_placement=eps_placement,
-        dtype=dtype,
-        axis_name=axis_name,
-        mask=mask,
+        h_type, scale, eps, bias, axis, p, scale_offset, eps_placement, dtype, axis_name, mask
     )
     acfg = AddConfig(np.dtype(residual_dtype), jax.typeof(x), jax.typeof(residual))
     spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask, op="add_rms_norm")
@@ -204,21 +194,8 @@ def gated_rms_norm(
     shape = x.shape
     if group_size is not None:
         x, gate, scale, bias, axis = _grouped(x, gate, scale, bias, axis, p, group_size)
-    cfg, scale, bias, _ = norm_config(
-        x.shape,
-        x.dtype,
-        scale=scale,
-        eps=eps,
-        bias=bias,
-        axis=axis,
-        p=p,
-        scale_offset=scale_offset,
-        eps_placement=eps_placement,
-        dtype=dtype,
-        axis_name=None,
-        mask=None,
-        promote_with=(gate.dtype,),
-    )
+    options = (scale, eps, bias, axis, p, scale_offset, eps_placement, dtype)
+    cfg, scale, bias, _ = norm_config(x, *options, promote_with=(gate.dtype,))
     y = gated_rms_norm_core(cfg, GateConfig(activation, norm_before_gate), x, gate, scale, bias)
     return y.reshape(shape)
 

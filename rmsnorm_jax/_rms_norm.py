@@ -112,18 +112,7 @@ def rms_norm(
     """
     x = as_float_array("x", x)
     cfg, scale, bias, mask = norm_config(
-        x.shape,
-        x.dtype,
-        scale=scale,
-        eps=eps,
-        bias=bias,
-        axis=axis,
-        p=p,
-        scale_offset=scale_offset,
-        eps_placement=eps_placement,
-        dtype=dtype,
-        axis_name=axis_name,
-        mask=mask,
+        x, scale, eps, bias, axis, p, scale_offset, eps_placement, dtype, axis_name, mask
     )
     spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask)
     if spec is not None:

@@ -17,11 +17,13 @@ class                            init   formula
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 
 from .._rms_norm import rms_norm
 from ._patch import (
@@ -33,6 +35,7 @@ from ._patch import (
     chosen,
     linen_cases,
     linen_method,
+    norm_class,
     real_floating,
     restore_all,
 )
@@ -49,49 +52,22 @@ def _norm(x, scale, offset: float, implementation: str) -> jax.Array:
     return rms_norm(x, scale, 1e-6, scale_offset=offset, implementation=implementation)
 
 
-def _gemma3(original: Callable, implementation: str, hit: Callable[[], None]):
-    """``gm.nn._layers.RMSNorm`` (Gemma 2 and 3): zeros, ``x_hat * (1 + scale)``."""
-    from flax import linen as nn
-
-    def call(self, x):
-        x = jnp.asarray(x)
-        if not real_floating(x):
-            return original(self, x)
-        scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1]))
-        hit()
-        return _norm(x, scale, 1.0, implementation)
-
-    return linen_method(call)
-
-
-def _gemma4(original: Callable, implementation: str, hit: Callable[[], None]):
-    """``gm.nn.gemma4._layers.RMSNorm``: ones, ``x_hat * scale``; ``with_scale``."""
-    from flax import linen as nn
+def _scaled(
+    init, offset: float, optional: bool, original: Callable, implementation: str, hit: Callable
+):
+    """Gemma 2/3 (``offset=1``, zeros) and gemma4's text and vision norms (``offset=0``,
+    ones / zeros): ``x_hat * (offset + scale)``; with ``optional`` (gemma4's text norm),
+    no scale where ``self.with_scale`` is False."""
 
     def call(self, x):
         x = jnp.asarray(x)
         if not real_floating(x):
             return original(self, x)
         scale = None
-        if self.with_scale:
-            scale = self.param("scale", nn.initializers.ones, (x.shape[-1]))
+        if not optional or self.with_scale:
+            scale = self.param("scale", init, (x.shape[-1]))
         hit()
-        return _norm(x, scale, 0.0, implementation)
-
-    return linen_method(call)
-
-
-def _gemma4_vision(original: Callable, implementation: str, hit: Callable[[], None]):
-    """``gm.nn.gemma4.vision._norms.RMSNorm``: zeros init, ``x_hat * scale``."""
-    from flax import linen as nn
-
-    def call(self, x):
-        x = jnp.asarray(x)
-        if not real_floating(x):
-            return original(self, x)
-        scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1]))
-        hit()
-        return _norm(x, scale, 0.0, implementation)
+        return _norm(x, scale, offset, implementation)
 
     return linen_method(call)
 
@@ -117,12 +93,18 @@ def _gemma3n(original: Callable, implementation: str, hit: Callable[[], None]):
 
 # module: (the replacement, the field sets the probe builds: label -> fields)
 _CLASSES: dict[str, tuple[Callable, dict[str, dict]]] = {
-    "gemma.gm.nn._layers": (_gemma3, {"": {}}),
+    "gemma.gm.nn._layers": (
+        functools.partial(_scaled, nn.initializers.zeros_init(), 1.0, False),
+        {"": {}},
+    ),
     "gemma.gm.nn.gemma4._layers": (
-        _gemma4,
+        functools.partial(_scaled, nn.initializers.ones, 0.0, True),
         {"": {}, "with_scale=False": {"with_scale": False}},
     ),
-    "gemma.gm.nn.gemma4.vision._norms": (_gemma4_vision, {"": {}}),
+    "gemma.gm.nn.gemma4.vision._norms": (
+        functools.partial(_scaled, nn.initializers.zeros_init(), 0.0, False),
+        {"": {}},
+    ),
     "gemma.gm.nn.gemma3n._layers": (
         _gemma3n,
         {
@@ -173,13 +155,7 @@ def _classes() -> dict[str, type]:
             if err.name is not None and name.startswith(err.name):
                 continue  # an older gemma without this model family
             raise
-        cls = getattr(module, "RMSNorm", None)
-        if not isinstance(cls, type):
-            raise RuntimeError(
-                f"{name} has no RMSNorm class: this gemma is not the shape patch_gemma() "
-                "knows (gemma 4.0.1). Please report it with the version."
-            )
-        classes[name] = cls
+        classes[name] = norm_class(module, "patch_gemma()", "gemma 4.0.1")
     return classes
 
 

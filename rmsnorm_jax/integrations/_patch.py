@@ -57,6 +57,18 @@ def chosen(function: str, available: dict[str, type], families: Any) -> dict[str
     return {name: available[name] for name in dict.fromkeys(names)}
 
 
+def norm_class(module, patcher: str, known: str) -> type:
+    """``module.RMSNorm``, the class a patch replaces the call of; a RuntimeError where the
+    module has none (a version of the library this patch does not know)."""
+    cls = getattr(module, "RMSNorm", None)
+    if not isinstance(cls, type):
+        raise RuntimeError(
+            f"{module.__name__} has no RMSNorm class: this library is not the shape "
+            f"{patcher} knows ({known}). Please report it with the version."
+        )
+    return cls
+
+
 def param_value(param: Any) -> jax.Array:
     """The array of an NNX ``Param`` (or the array itself)."""
     if hasattr(param, "get_value"):

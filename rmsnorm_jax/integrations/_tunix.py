@@ -19,6 +19,7 @@ gemma and gemma3 multiply by ``1 + scale`` (zero-centred); the others by the par
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import warnings
@@ -38,6 +39,7 @@ from ._patch import (
     chosen,
     is_static_number,
     nnx_cases,
+    norm_class,
     param_value,
     real_floating,
     restore_all,
@@ -78,8 +80,9 @@ def _gemma4(original: Callable, implementation: str, hit: Callable[[], None]):
     return __call__
 
 
-def _llama3(original: Callable, implementation: str, hit: Callable[[], None]):
-    """llama3: ``w * x / sqrt(mean(x**2) + norm_eps)``, float32 statistics, x's dtype."""
+def _plain(dtype_of: str, original: Callable, implementation: str, hit: Callable[[], None]):
+    """llama3 (``dtype_of="x"``), qwen2 and qwen3 (``"self"``): float32
+    ``w * x / sqrt(mean(x**2) + norm_eps)`` in ``x.dtype`` or ``self.dtype``."""
 
     @jax.named_scope("rms_norm")
     def __call__(self, x):
@@ -87,21 +90,8 @@ def _llama3(original: Callable, implementation: str, hit: Callable[[], None]):
         if not (real_floating(x) and real_floating(w) and is_static_number(self.norm_eps)):
             return original(self, x)
         hit()
-        return rms_norm(x, w, self.norm_eps, dtype=x.dtype, implementation=implementation)
-
-    return __call__
-
-
-def _qwen(original: Callable, implementation: str, hit: Callable[[], None]):
-    """qwen2, qwen3: float32 ``w * x / sqrt(mean(x**2) + norm_eps)``, ``self.dtype``."""
-
-    @jax.named_scope("rms_norm")
-    def __call__(self, x):
-        w = param_value(self.w)
-        if not (real_floating(x) and real_floating(w) and is_static_number(self.norm_eps)):
-            return original(self, x)
-        hit()
-        return rms_norm(x, w, self.norm_eps, dtype=self.dtype, implementation=implementation)
+        dtype = x.dtype if dtype_of == "x" else self.dtype
+        return rms_norm(x, w, self.norm_eps, dtype=dtype, implementation=implementation)
 
     return __call__
 
@@ -126,16 +116,19 @@ _FAMILIES: dict[str, tuple[Callable, dict[str, Callable]]] = {
             "dtype=bfloat16": lambda c, r: c(F, rngs=r, dtype=BF16, param_dtype=F32),
         },
     ),
-    "llama3": (_llama3, {"norm_eps=1e-5": lambda c, r: c(F, norm_eps=1e-5, rngs=r)}),
+    "llama3": (
+        functools.partial(_plain, "x"),
+        {"norm_eps=1e-5": lambda c, r: c(F, norm_eps=1e-5, rngs=r)},
+    ),
     "qwen2": (
-        _qwen,
+        functools.partial(_plain, "self"),
         {
             "dtype=float32": lambda c, r: c(F, norm_eps=1e-5, dtype=F32, param_dtype=F32),
             "dtype=bfloat16": lambda c, r: c(F, norm_eps=1e-5, dtype=BF16, param_dtype=F32),
         },
     ),
     "qwen3": (
-        _qwen,
+        functools.partial(_plain, "self"),
         {
             "dtype=float32": lambda c, r: c(F, norm_eps=1e-5, rngs=r, dtype=F32, param_dtype=F32),
             "dtype=bfloat16": lambda c, r: c(
@@ -185,13 +178,7 @@ def _classes() -> dict[str, type]:
         module = _model_module(family)
         if module is None:
             continue
-        cls = getattr(module, "RMSNorm", None)
-        if not isinstance(cls, type):
-            raise RuntimeError(
-                f"{module.__name__} has no RMSNorm class: this tunix is not the shape "
-                "patch_tunix() knows (google-tunix 0.1.7). Please report it with the version."
-            )
-        classes[family] = cls
+        classes[family] = norm_class(module, "patch_tunix()", "google-tunix 0.1.7")
     if not classes:
         raise RuntimeError(
             "patch_tunix() found none of tunix's model families "

@@ -57,6 +57,8 @@ class KernelSpec:
         ``"tpu"``, ``"cpu"``) whose kernels compute the call; on the others it is XLA's.
         Every platform for ``implementation="pallas"``; for ``"auto"`` the platforms of
         the measured win (``_dispatch.MEASURED``).
+      gpu_backend: the GPU kernels (``"mosaic_gpu"`` or ``"triton"``), or None for the
+        default of the GPU being compiled for (``_dispatch.gpu_backend``).
     """
 
     n: int
@@ -68,6 +70,7 @@ class KernelSpec:
     has_bias: bool
     out_dtype: np.dtype
     platforms: tuple[str, ...] = ("cuda", "tpu", "cpu")
+    gpu_backend: str | None = None
 
 
 # Per-row maths on float32 blocks of shape (rows, n); ``col`` is the feature index of

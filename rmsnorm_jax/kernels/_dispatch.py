@@ -123,35 +123,96 @@ def kernel_spec(cfg, x, scale, bias, mask) -> KernelSpec | None:
     )
 
 
-def target_device() -> tuple[str, str]:
-    """(platform, device kind) of the device being compiled for: the abstract mesh's
-    (``rmsnorm_jax.aot`` targets, ``jax.set_mesh``), else the default device's.
-    A CUDA device's platform reads ``"gpu"``; it is named ``"cuda"`` here."""
-    device = None
+def _target():
+    """The device being compiled for: the abstract mesh's (``rmsnorm_jax.aot`` targets,
+    ``jax.set_mesh``), else the default device."""
     try:
         device = jax.sharding.get_abstract_mesh().abstract_device
     except (AttributeError, ValueError):  # no mesh, or one without a device kind
         device = None
     if device is None or not getattr(device, "device_kind", None):
         device = jax.devices()[0]
+    return device
+
+
+def target_device() -> tuple[str, str]:
+    """(platform, device kind) of the device being compiled for. A CUDA device's
+    platform reads ``"gpu"``; it is named ``"cuda"`` here (``lax.platform_dependent``)."""
+    device = _target()
     platform = getattr(device, "platform", "")
     return ("cuda" if platform == "gpu" else platform), device.device_kind
+
+
+# Compute capability by device kind, for devices that do not say it (an abstract
+# device); the longer names first, so that "A100" is not read as "A10".
+_CAPABILITIES = (
+    ("GH200", (9, 0)),
+    ("GB200", (10, 0)),
+    ("H100", (9, 0)),
+    ("H200", (9, 0)),
+    ("H800", (9, 0)),
+    ("B200", (10, 0)),
+    ("B100", (10, 0)),
+    ("A100", (8, 0)),
+    ("L40", (8, 9)),
+    ("A10", (8, 6)),
+    ("L4", (8, 9)),
+)
+
+
+def compute_capability(device=None) -> tuple[int, int] | None:
+    """``(major, minor)`` of the GPU ``device`` (default: the one being compiled for), or
+    None where it is not known (no GPU, a deviceless compile without a mesh)."""
+    device = _target() if device is None else device
+    capability = getattr(device, "compute_capability", None)
+    if capability:
+        major, minor = str(capability).split(".")[:2]
+        return int(major), int(minor)
+    kind = getattr(device, "device_kind", "") or ""
+    return next((cap for name, cap in _CAPABILITIES if name in kind), None)
+
+
+def mosaic_gpu_available() -> bool:
+    """Whether this jax has the Mosaic GPU ``plgpu.kernel`` API the kernels need."""
+    try:
+        from . import mosaic_gpu
+    except ImportError:
+        return False
+    return mosaic_gpu.available()
+
+
+def triton_ships() -> bool:
+    """Whether this jax ships the Pallas-Triton backend (deprecated since jax 0.11)."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpu_backend(device=None) -> str | None:
+    """The GPU kernels ``implementation="pallas"`` takes on ``device`` (default: the one
+    being compiled for): Mosaic GPU on Hopper and Blackwell (or a GPU not known, as in a
+    deviceless compile) where this jax has it; Triton elsewhere while jax ships it; None
+    (XLA) otherwise."""
+    capability = compute_capability(device)
+    if mosaic_gpu_available() and (capability is None or capability[0] in (9, 10)):
+        return "mosaic_gpu"
+    return "triton" if triton_ships() else None
 
 
 def triton_quiet() -> bool:
     """Whether this jax ships Pallas-Triton without deprecating it (jax < 0.11): from
     jax 0.11 on, every Triton lowering warns, and ``"auto"`` never takes Triton there."""
-    try:
-        from jax.experimental.pallas import triton  # noqa: F401
-    except ImportError:
-        return False
     major, minor = (int(part) for part in jax.__version__.split(".")[:2])
-    return (major, minor) < (0, 11)
+    return triton_ships() and (major, minor) < (0, 11)
 
 
 def backend_usable(backend: str) -> bool:
     """Whether ``"auto"`` may take ``backend``'s kernels with this jax."""
-    return backend != "triton" or triton_quiet()
+    if backend == "triton":
+        return triton_quiet()
+    return backend != "mosaic_gpu" or mosaic_gpu_available()
 
 
 def measured_win(op: str, spec: KernelSpec, x, device=None) -> Measurement | None:
@@ -191,4 +252,7 @@ def use_kernels(
     if spec is None or implementation == "pallas":
         return spec
     win = measured_win(op, spec, x)
-    return None if win is None else dataclasses.replace(spec, platforms=(win.platform,))
+    if win is None:
+        return None
+    gpu = win.backend if win.platform == "cuda" else None
+    return dataclasses.replace(spec, platforms=(win.platform,), gpu_backend=gpu)

@@ -8,7 +8,24 @@ import math
 import jax.numpy as jnp
 
 from .._config import check_implementation, norm_config
-from ._dispatch import kernel_spec, measured_win, target_device, why_not_kernels
+from ._contract import KernelSpec
+from ._dispatch import gpu_backend, kernel_spec, measured_win, target_device, why_not_kernels
+
+_NAMES = {"mosaic_gpu": "Mosaic GPU", "triton": "Triton", "mosaic_tpu": "Mosaic TPU"}
+
+
+def _gpu_path(spec: KernelSpec, rows: int, dtype) -> str:
+    """What computes the call on the GPU being compiled for."""
+    name = spec.gpu_backend or gpu_backend()
+    if name is None:
+        return "XLA (this jax has no GPU kernels of ours)"
+    if name == "mosaic_gpu":
+        from . import mosaic_gpu as module
+    else:
+        from . import triton as module
+    if module.fits(spec, rows, dtype):
+        return _NAMES[name]
+    return f"XLA (the row does not fit the {_NAMES[name]} kernels)"
 
 
 def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas", **kwargs) -> str:
@@ -16,17 +33,18 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
 
     The same arguments as :func:`rmsnorm_jax.rms_norm` (arrays or
     ``jax.ShapeDtypeStruct``); nothing is computed. The answer names XLA with the
-    reason, or the kernels per platform: a GPU (Triton), a TPU (Mosaic, where a row fits
-    the generation's VMEM, decided when compiled) and a CPU (interpret mode), each with
-    the XLA fallback where a row does not fit.
+    reason, or the kernels per platform, each with the XLA fallback where a row does not
+    fit them: a GPU (Mosaic GPU on Hopper and Blackwell where this jax has it, Triton on
+    other GPUs), a TPU (Mosaic TPU, where a row fits the generation's VMEM, decided when
+    compiled) and a CPU (the Triton kernels in interpret mode).
 
     >>> import jax, jax.numpy as jnp
     >>> from rmsnorm_jax.kernels import explain
     >>> x = jax.ShapeDtypeStruct((8, 16384), jnp.bfloat16)
     >>> for part in explain(x).split("; "):
-    ...     print(part)
-    pallas: GPU: XLA (the row does not fit the Triton kernels)
-    TPU: Mosaic where the row fits the generation's VMEM, else XLA
+    ...     print(part)  # doctest: +ELLIPSIS
+    pallas: GPU: ...
+    TPU: Mosaic TPU where the row fits the generation's VMEM, else XLA
     CPU: XLA (the row does not fit the Triton kernels)
     >>> print(explain(x, mask=jnp.ones((8, 16384), bool)))
     xla: the kernels do not take a mask
@@ -43,14 +61,14 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
             f"(cast it first, e.g. x.astype(jnp.float32))."
         )
     # rms_norm's defaults (norm_config's, held equal by a test).
-    known = set(inspect.signature(norm_config).parameters) - {"shape", "x_dtype", "promote_with"}
+    known = set(inspect.signature(norm_config).parameters) - {"x", "promote_with"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise TypeError(
             f"explain() got unexpected keyword arguments {unknown}; it takes rms_norm's: "
             f"{', '.join(sorted(known))}, implementation."
         )
-    cfg, scale, bias, mask = norm_config(x.shape, dtype, scale=scale, eps=eps, **kwargs)
+    cfg, scale, bias, mask = norm_config(x, scale=scale, eps=eps, **kwargs)
     reason = why_not_kernels(cfg, x, scale, bias, mask)
     if reason is not None:
         return f"xla: the kernels do not take {reason}"
@@ -66,12 +84,15 @@ def explain(x, scale=None, eps: float = 1e-6, *, implementation: str = "pallas",
                 f"{dtype.name}, {cfg.n} features, {math.prod(x.shape) * dtype.itemsize:,} "
                 f"bytes of x; implementation='pallas' takes them anyway"
             )
-        return f"auto: the kernels on {win.platform} (measured: {win.source}), XLA elsewhere"
+        return (
+            f"auto: the {_NAMES.get(win.backend, win.backend)} kernels on {win.platform} "
+            f"(measured: {win.source}), XLA elsewhere"
+        )
     rows = math.prod(x.shape[:-1])
-    fits = triton.fits(spec, rows, dtype)  # the CPU's interpret mode runs the Triton kernels
-    gpu = "Triton" if fits else "XLA (the row does not fit the Triton kernels)"
-    interpret = "interpret mode" if fits else gpu
+    interpret = "the Triton kernels in interpret mode"
+    if not triton.fits(spec, rows, dtype):
+        interpret = "XLA (the row does not fit the Triton kernels)"
     return (
-        f"pallas: GPU: {gpu}; TPU: Mosaic where the row fits the generation's VMEM, "
-        f"else XLA; CPU: {interpret}"
+        f"pallas: GPU: {_gpu_path(spec, rows, dtype)}; TPU: Mosaic TPU where the row fits "
+        f"the generation's VMEM, else XLA; CPU: {interpret}"
     )

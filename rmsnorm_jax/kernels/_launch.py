@@ -8,8 +8,9 @@ Each is one ``custom_jvp`` (a kernel has no derivative of its own: differentiate
 as in grad-of-grad, it differentiates as its XLA twin ``forward_xla`` / ``backward_xla``)
 around one ``custom_vmap`` (the mapped axis becomes more rows) around
 ``_sharding.rowwise`` (each device's rows), around ``lax.platform_dependent`` (the kernel
-of the platform being lowered for: ``triton`` on CUDA, ``mosaic_tpu`` on TPU, the Triton
-kernels in interpret mode on a CPU, XLA on ROCm).
+of the platform being lowered for: ``mosaic_gpu`` on Hopper and Blackwell, ``triton`` on
+other NVIDIA GPUs (``_dispatch.gpu_backend``), ``mosaic_tpu`` on TPU, the Triton kernels
+in interpret mode on a CPU, XLA on ROCm).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .._config import NormConfig
 from .._types import varying, vma
 from .._xla.passes import backward_parts, normalized, output, row_statistic
 from ._contract import KernelSpec
+from ._dispatch import gpu_backend
 from ._sharding import ROWS, STAT, SUM, rowwise
 
 
@@ -143,24 +145,40 @@ def _branch(kernel, xla, call: RowCall, x, extra, platform: str, backend, interp
     return functools.partial(xla, call)
 
 
+def _gpu_kernels(spec: KernelSpec):
+    """The module of the GPU kernels that compute ``spec``'s call, or None (XLA)."""
+    name = spec.gpu_backend or gpu_backend()
+    if name == "mosaic_gpu":
+        from . import mosaic_gpu
+
+        return mosaic_gpu
+    if name == "triton":
+        from . import triton
+
+        return triton
+    return None
+
+
 def _on_device(kernel, xla, call: RowCall, operands, extra):
     """``kernel`` or ``xla`` of the platform being lowered for, on this device's rows
     (``extra``: the residual or ``dh``, whose dtype the kernels' ``fits`` reads)."""
     from . import mosaic_tpu, triton  # imported on first use: Pallas loads for the kernels
 
     x = operands[0]
+    on_xla = functools.partial(xla, call)
+    gpu = _gpu_kernels(call.spec)
+    on_gpu = on_xla if gpu is None else _branch(kernel, xla, call, x, extra, "cuda", gpu)
     # Pallas' interpreter cannot run inside a shard_map that checks varying axes (its
     # padding breaks the check): there the CPU computes the call with XLA.
-    interpretable = not vma(jax.typeof(x))
-    default = functools.partial(xla, call)
-    if interpretable:
-        default = _branch(kernel, xla, call, x, extra, "cpu", triton, interpret=True)
+    on_cpu = on_xla
+    if not vma(jax.typeof(x)):
+        on_cpu = _branch(kernel, xla, call, x, extra, "cpu", triton, interpret=True)
     return lax.platform_dependent(
         *operands,
-        cuda=_branch(kernel, xla, call, x, extra, "cuda", triton),
+        cuda=on_gpu,
         tpu=_branch(kernel, xla, call, x, extra, "tpu", mosaic_tpu),
-        rocm=functools.partial(xla, call),
-        default=default,
+        rocm=on_xla,
+        default=on_cpu,
     )
 
 

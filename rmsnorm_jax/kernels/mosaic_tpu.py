@@ -36,19 +36,27 @@ from ._contract import (
     out_struct,
     stat_from_ms,
 )
-from .mosaic_tpu_plan import LANES, PARTIAL_ROWS, Generation, backward_row_map, fits, plan
+from .mosaic_tpu_plan import LANES, PARTIAL_ROWS, Plan, backward_row_map, fits, plan
 
 __all__ = ["backward", "fits", "forward"]
 
 
-def _params(semantics, gen: Generation):
-    return pltpu.CompilerParams(
-        dimension_semantics=semantics, vmem_limit_bytes=gen.vmem_limit_bytes
+def _pallas_call(body, p: Plan, specs, semantics, interpret: bool, kind: str):
+    """``pl.pallas_call`` of ``body`` over ``p``'s grid; ``specs``: the in and out block
+    specs and the out shapes."""
+    in_specs, out_specs, out_shape = specs
+    return pl.pallas_call(
+        body,
+        grid=p.grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=semantics, vmem_limit_bytes=p.generation.vmem_limit_bytes
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name=f"rms_norm_{kind}",
     )
-
-
-def _interpret(interpret: bool):
-    return pltpu.InterpretParams() if interpret else False
 
 
 def _lane_row(column: jax.Array) -> jax.Array:
@@ -121,16 +129,8 @@ def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, in
     if with_residual:
         out_shape.append(out_struct((rows, n), h_dtype, x))
         out_specs.append(row_spec)
-    outs = pl.pallas_call(
-        body,
-        grid=p.grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_params(("parallel",), p.generation),
-        interpret=_interpret(interpret),
-        name="rms_norm_forward",
-    )(*operands)
+    specs = (in_specs, out_specs, out_shape)
+    outs = _pallas_call(body, p, specs, ("parallel",), interpret, "forward")(*operands)
     y, stat = outs[0], outs[1].reshape(blocks * br)[:rows]
     return y, stat, (outs[2] if with_residual else None)
 
@@ -213,15 +213,8 @@ def backward(spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpr
     partial = out_struct((PARTIAL_ROWS * slots, n), jnp.float32, x)
     out_shape = [out_struct((rows, n), dx_dtype, x)] + [partial] * len(sums)
     out_specs = [row_spec] + [pl.BlockSpec((PARTIAL_ROWS, n), lambda c, i: (c, 0))] * len(sums)
-    outs = pl.pallas_call(
-        body,
-        grid=p.grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=_params(("parallel", "arbitrary"), p.generation),
-        interpret=_interpret(interpret),
-        name="rms_norm_backward",
-    )(*operands)
+    specs = (in_specs, out_specs, out_shape)
+    semantics = ("parallel", "arbitrary")
+    outs = _pallas_call(body, p, specs, semantics, interpret, "backward")(*operands)
     partials = dict(zip(sums, outs[1:], strict=True))
     return outs[0], partials.get("dscale"), partials.get("dbias")
