@@ -217,3 +217,13 @@ def aot_target(name: str):
     from rmsnorm_jax import aot
 
     return aot.get_target(name)
+
+
+def gpu_kernel_call(device=None) -> str:
+    """What a GPU kernel of ours is called in a program compiled for ``device``, for the
+    GPU kernels ``implementation="pallas"`` takes there with this jax
+    (``kernels._dispatch.gpu_backend``): Mosaic GPU's custom call, or Pallas-Triton's."""
+    from rmsnorm_jax.kernels import _dispatch
+
+    calls = {"mosaic_gpu": 'custom_call_target="mosaic_gpu', "triton": "__gpu$xla.gpu.triton"}
+    return calls[_dispatch.gpu_backend(device)]

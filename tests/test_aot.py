@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import aot_target, host_cpu_devices
+from helpers import aot_target, gpu_kernel_call, host_cpu_devices
 from jax.sharding import PartitionSpec as P
 
 import rmsnorm_jax
@@ -113,7 +113,7 @@ def test_every_advertised_target_compiles_forward_and_backward(name, implementat
     assert (estimate is None) == (not target.has_cost_model)
     assert estimate is None or estimate > 0
     if implementation == "pallas" and target.platform != "cpu":
-        kernel_call = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+        kernel_call = {"tpu": "tpu_custom_call", "cuda": gpu_kernel_call(target.devices[0])}
         assert kernel_call[target.platform] in compiled.as_text()
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import aot_target, multi_device_mesh
+from helpers import aot_target, gpu_kernel_call, multi_device_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -458,7 +458,7 @@ def test_sharded_programs_run_the_kernels_on_local_rows(name, devices):
     dy = aot.struct((rows, n), jnp.float32, mesh, P("data"))
     with contextlib.nullcontext() if auto else jax.set_mesh(mesh):
         text = target.compile(jax.jit(_norm_step), x, stream, scale, dy).as_text()
-    kernel = "__gpu$xla.gpu.triton" if target.platform == "cuda" else "tpu_custom_call"
+    kernel = gpu_kernel_call(target.devices[0]) if auto else "tpu_custom_call"
     calls, others = _entry_ops(text, (rows // devices, n))
     kernels = [c for c in calls if kernel in c]
     assert len(kernels) == 4  # 2 forward, 2 backward
@@ -486,7 +486,7 @@ def test_h100_kernels_inside_a_checked_shard_map():
 
     mapped = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P()))
     text = target.compile(jax.jit(mapped), x, scale).as_text()
-    assert text.count("__gpu$xla.gpu.triton") >= 2
+    assert text.count(gpu_kernel_call(target.devices[0])) >= 2
 
 
 # ---------------------------------------------------------------- which path

@@ -230,7 +230,7 @@ def measured_win(op: str, spec: KernelSpec, x, device=None) -> Measurement | Non
             and np.dtype(x_dtype).name in m.dtypes
             and m.features[0] <= spec.n <= m.features[1]
             and x_bytes >= m.min_bytes
-            and backend_usable(m.backend)
+            and (m.platform != "cuda" or backend_usable(m.backend))
         ):
             return m
     return None

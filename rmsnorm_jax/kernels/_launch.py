@@ -103,7 +103,7 @@ def forward_kernel(backend, interpret: bool, call: RowCall, x, residual, scale, 
         interpret=interpret,
     )
     out = (y.reshape(x.shape), stat.reshape((*x.shape[:-1], 1)))
-    return out if h is None else (*out, h.reshape(x.shape))
+    return _like_rows(x, out if h is None else (*out, h.reshape(x.shape)))
 
 
 def backward_kernel(backend, interpret: bool, call: RowCall, x, dy, stat, dh, scale):
@@ -121,7 +121,15 @@ def backward_kernel(backend, interpret: bool, call: RowCall, x, dy, stat, dh, sc
         interpret=interpret,
     )
     sums = tuple(jnp.sum(p, 0) for p in (dscale, dbias) if p is not None)
-    return (dx.reshape(x.shape), *sums)
+    return _like_rows(x, (dx.reshape(x.shape), *sums))
+
+
+def _like_rows(x, outs: tuple) -> tuple:
+    """The outputs of this device's rows, each marked varying along the mesh axes ``x``
+    varies along inside ``shard_map``, as the XLA branch's are (a backend whose kernel
+    call does not say so would give ``platform_dependent`` branches of other types)."""
+    rows_vma = vma(jax.typeof(x))
+    return tuple(varying(o, rows_vma) for o in outs)
 
 
 def _fits(backend, call: RowCall, x, extra) -> bool:
