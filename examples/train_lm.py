@@ -20,9 +20,11 @@ Writes ``<workdir>/config.json`` (the run's Config), orbax checkpoints under
 time, eval losses) and ``<workdir>/loss.png``, and names them in its last lines;
 ``--compare`` writes one such workdir per norm under ``<workdir>``, and
 ``<workdir>/compare.png``, ``compare.md`` and ``compare.json``. A workdir that already
-holds a run is refused unless ``--resume`` continues it (same config, see
-``lm.config.MAY_DIFFER_ON_RESUME``) or ``--overwrite`` deletes it first: two runs never
-mix.
+holds a run is refused unless ``--resume`` continues it (with its config.json's values for
+the flags not given; see ``lm.config.MAY_DIFFER_ON_RESUME`` for those that may differ) or
+``--overwrite`` deletes it first: two runs never mix. On several processes, a lost process
+stops the others within seconds, naming the checkpoint and the ``--resume`` command
+(docs/multihost.md).
 
 This file is the command line; the parts are in ``lm/``: ``config.py`` (the run's
 Config), ``data.py`` (the input pipeline), ``model.py``, ``train.py`` (the train step and
@@ -33,10 +35,14 @@ Config), ``data.py`` (the input pipeline), ``model.py``, ``train.py`` (the train
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import os
+import shlex
 import sys
+import time
 from pathlib import Path
+from typing import NoReturn
 
 if "JAX_PLATFORMS" not in os.environ and (
     "--compile-for" in sys.argv
@@ -55,7 +61,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
-from lm import checkpoint, data, distributed, train
+from lm import checkpoint, distributed, train
 from lm.config import NORMS, Config
 
 
@@ -72,38 +78,32 @@ def _mesh_arg(text: str) -> tuple[int, int]:
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags that set the run's Config (saved in its config.json)."""
+    """The flags that set the run's Config (saved in its config.json). Each defaults to
+    None, "not given": Config's default for a new run, the saved run's on --resume."""
     defaults = Config()
-    parser.add_argument("--norm", choices=NORMS, default=defaults.norm)
-    parser.add_argument("--p", type=float, default=defaults.p, help="pRMSNorm fraction")
+    parser.add_argument("--norm", choices=NORMS, help=f"default {defaults.norm}")
+    parser.add_argument("--p", type=float, help=f"pRMSNorm fraction (default {defaults.p})")
     parser.add_argument(
-        "--steps",
-        type=int,
-        default=defaults.steps,
-        help="train until this step (with --resume: may differ from the saved run's)",
+        "--steps", type=int, help=f"train until this step (default {defaults.steps})"
     )
     parser.add_argument(
         "--schedule-steps",
         type=int,
-        default=None,
-        help="length of the learning-rate schedule (default: --steps; with --resume: the "
-        "saved run's). Larger than --steps stops early on the schedule of a longer run, "
-        "which --resume --steps N continues exactly",
+        help="length of the learning-rate schedule (default: --steps). Larger than --steps "
+        "stops early on the schedule of a longer run, which --resume --steps N continues "
+        "exactly",
     )
     for name in ("batch_size", "seq_len", "d_model", "num_heads", "num_layers"):
         flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, type=int, default=getattr(defaults, name))
-    parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-    parser.add_argument("--eval-every", type=int, default=defaults.eval_every)
-    parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+        parser.add_argument(flag, type=int, help=f"default {getattr(defaults, name)}")
+    parser.add_argument("--learning-rate", type=float, help=f"default {defaults.learning_rate}")
+    parser.add_argument("--eval-every", type=int, help=f"default {defaults.eval_every}")
+    parser.add_argument("--checkpoint-every", type=int, help=f"default {defaults.checkpoint_every}")
+    parser.add_argument("--seed", type=int, help=f"default {defaults.seed}")
     parser.add_argument(
-        "--mesh",
-        type=_mesh_arg,
-        default=None,
-        help="DATA,MODEL device counts (default: all devices on data)",
+        "--mesh", type=_mesh_arg, help="DATA,MODEL device counts (default: all devices on data)"
     )
-    parser.add_argument("--data", default=None, help="a UTF-8/bytes text file to train on")
+    parser.add_argument("--data", help="a UTF-8/bytes text file to train on")
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
@@ -113,9 +113,9 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     existing.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --workdir from its latest checkpoint; refused when the "
-        "config differs from its config.json (except --steps, --eval-every, "
-        "--checkpoint-every, --mesh, --no-progress)",
+        help="continue the run in --workdir from its latest checkpoint, with its "
+        "config.json's values for the flags not given; refused when a flag given differs "
+        "from them (except --steps, --eval-every, --checkpoint-every, --mesh, --no-progress)",
     )
     existing.add_argument(
         "--overwrite",
@@ -167,33 +167,35 @@ def _add_launch_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+# The flags that set a Config field of the same name (--no-progress sets ``progress``), and
+# those of them that must be >= 1.
+CONFIG_FLAGS = tuple(
+    "norm p steps schedule_steps batch_size seq_len d_model num_heads num_layers "
+    "learning_rate eval_every checkpoint_every seed mesh data".split()
+)
+POSITIVE = tuple(
+    "steps schedule_steps batch_size seq_len d_model num_heads num_layers eval_every "
+    "checkpoint_every".split()
+)
+
+
+def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, cfg: Config) -> None:
     """``parser.error`` (exit 2) for a value no run can take."""
-    positive = (
-        "steps",
-        "batch_size",
-        "seq_len",
-        "d_model",
-        "num_heads",
-        "num_layers",
-        "eval_every",
-        "checkpoint_every",
-    )
-    for name in positive:
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.schedule_steps is not None and args.schedule_steps < 1:
-        parser.error(f"--schedule-steps must be >= 1, got {args.schedule_steps}")
-    if not 0 < args.p <= 1:
+    for name in POSITIVE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.p is not None and not 0 < args.p <= 1:
         parser.error(f"--p must be in (0, 1], got {args.p}")
-    if args.learning_rate <= 0:
+    if args.learning_rate is not None and args.learning_rate <= 0:
         parser.error(f"--learning-rate must be > 0, got {args.learning_rate}")
-    if args.d_model % args.num_heads:
-        parser.error(f"--d-model {args.d_model} must be divisible by --num-heads {args.num_heads}")
+    if not args.resume and cfg.d_model % cfg.num_heads:  # on --resume: the saved run's
+        parser.error(f"--d-model {cfg.d_model} must be divisible by --num-heads {cfg.num_heads}")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
-    """The command line's Config, and all its flags."""
+    """The command line's Config (Config's defaults for the flags not given), and all its
+    flags; ``args.given`` names the Config fields that the command line gave."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     _add_config_flags(parser)
     _add_run_flags(parser)
@@ -208,14 +210,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    _check_flags(parser, args)
-    fields = ("norm", "p", "steps", "schedule_steps", "batch_size", "seq_len", "d_model")
-    fields += ("num_heads", "num_layers", "learning_rate", "eval_every", "checkpoint_every")
-    cfg = Config(
-        **{name: getattr(args, name) for name in (*fields, "seed", "mesh", "data")},
-        warmup_steps=None,  # a tenth of the schedule (on --resume: the saved run's)
-        progress=not args.no_progress,
-    )
+    given = {name: getattr(args, name) for name in CONFIG_FLAGS if getattr(args, name) is not None}
+    if args.no_progress:
+        given["progress"] = False
+    args.given = tuple(given)
+    # warmup_steps None: a tenth of the schedule (on --resume: the saved run's).
+    cfg = Config(**{"warmup_steps": None, **given})
+    _check_flags(parser, args, cfg)
     return cfg, args
 
 
@@ -234,25 +235,73 @@ def _print_files(workdir: Path) -> None:
 def run(cfg: Config, args: argparse.Namespace) -> None:
     """Trains (``--compare``: the three norms) as the command line says, and prints where
     the files are."""
-    train.validate_for_devices(cfg)
-    data.load_corpus(cfg.data)  # fail fast on a missing or empty file
     workdir = Path(args.workdir)
+    how = {"resume": args.resume, "overwrite": args.overwrite, "given": args.given}
     if args.compare:
-        train.compare(cfg, workdir, resume=args.resume, overwrite=args.overwrite)
+        train.compare(cfg, workdir, **how)
         for norm in NORMS:
             _print_files(workdir / norm)
         distributed.say(f"comparison:  {workdir / 'compare.md'}, {workdir / 'compare.json'}")
         distributed.say(f"plot:        {workdir / 'compare.png'}")
         return
-    m = train.train_and_evaluate(cfg, workdir, resume=args.resume, overwrite=args.overwrite)
+    m = train.train_and_evaluate(cfg, workdir, **how)
     if m["steps_trained"]:
         distributed.say(
             f"final validation loss {m['final_eval_loss']:.3f} nats/byte "
-            f"(unigram entropy {m['unigram_entropy']:.3f}) at step {cfg.steps}, "
+            f"(unigram entropy {m['unigram_entropy']:.3f}) at step {m['config']['steps']}, "
             f"{m['wall_time']:.0f} s of training on {m['devices']} "
             f"{m['platform']} device(s)"
         )
     _print_files(workdir)
+
+
+def _as_typed(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def resume_command(args: argparse.Namespace) -> list[str]:
+    """The command that continues this run from its newest complete checkpoint on this
+    process: ``--resume`` takes every Config flag from the run's config.json."""
+    command = [_as_typed(sys.executable), _as_typed(__file__), "--resume"]
+    command += ["--workdir", args.workdir, *(["--compare"] if args.compare else [])]
+    command += ["--distributed"] if args.distributed else []
+    for name in distributed.DISTRIBUTED_ENV:
+        if getattr(args, name) is not None:
+            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return command
+
+
+def stop_lost(lost: list[int], args: argparse.Namespace) -> NoReturn:
+    """Stops this process, saying which process was lost, the newest complete checkpoint
+    and how to go on (called by the watch of ``distributed.watch_processes``)."""
+    lost_ones = f"process {lost[0]}" if len(lost) == 1 else f"processes {lost}"
+    workdirs = [Path(args.workdir)]
+    if args.compare:
+        workdirs = [Path(args.workdir) / norm for norm in NORMS]
+    workdir, newest = checkpoint.newest_complete(workdirs)
+    each = " (each with its own --process-id)" if args.process_id is not None else ""
+    distributed.stop(
+        [
+            f"error: lost {lost_ones} of {jax.process_count()}: no sign of life on jax's "
+            f"coordination service for {distributed.LOST_AFTER_S:.0f} s. Process "
+            f"{jax.process_index()} stops.",
+            f"newest complete checkpoint: {newest}"
+            if newest
+            else f"no complete checkpoint in {workdir} yet: --resume starts from step 0",
+            f"to go on, start every process again with --resume{each}; this one:",
+            "  " + shlex.join(resume_command(args)),
+        ]
+    )
+
+
+def _wait_for_the_watch(watch: distributed.Watch | None) -> None:
+    """After an error on a run of several processes: gives the watch the time to find a
+    lost process (it then stops this one) before the error is reported."""
+    if watch is not None and not watch.done.is_set():
+        if watch.lost.wait(distributed.LOST_AFTER_S + 10 * distributed.TICK_S):
+            time.sleep(60)  # while the watch prints the stop and ends this process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,13 +316,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    watch = None
     if options is not None:
-        jax.distributed.initialize(**options)
+        distributed.initialize(options)
+        watch = distributed.watch_processes(functools.partial(stop_lost, args=args))
     try:
         run(cfg, args)
-    except ValueError as err:
+        distributed.finish(watch)
+    except distributed.Refused as err:  # decided by process 0, the same on every process
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except ValueError as err:
+        _wait_for_the_watch(watch)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Exception:
+        _wait_for_the_watch(watch)
+        raise
     return 0
 
 

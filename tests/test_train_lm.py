@@ -11,11 +11,9 @@ import dataclasses
 import importlib.util
 import io
 import json
-import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +183,28 @@ def test_resume_refuses_another_config_and_names_the_fields(train_lm, capsys, co
         assert field in err
     assert "steps (saved" not in err.replace("schedule_steps", "")  # steps may differ
     assert _snapshot(copied_run) == before
+
+
+def test_resume_takes_the_saved_config_for_the_flags_not_given(train_lm, capsys, copied_run):
+    """--resume with --steps alone (no TINY flags): the model, data, seed, schedule,
+    intervals and --no-progress are the saved run's; a flag given with another value is
+    still refused, and only that one is named."""
+    code = train_lm.main(["--workdir", str(copied_run), "--resume", "--seed", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "in seed (saved 0, now 1). Only steps" in err, err
+    code = train_lm.main(["--workdir", str(copied_run), "--resume", "--steps", "14"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith(
+        f"resumed from step 12 of {copied_run / 'checkpoints'}, training to step 14"
+    )
+    assert "at step 14," in out
+    resumed = _metrics(copied_run)
+    saved = json.loads((copied_run / "config.json").read_text())
+    assert resumed["config"] == saved
+    assert (saved["steps"], saved["d_model"], saved["schedule_steps"]) == (14, 32, 12)
+    assert (saved["eval_every"], saved["progress"]) == (4, False)
+    assert resumed["resumed_from"] == 12 and len(resumed["train_loss"]) == 14
 
 
 def test_resume_keeps_the_saved_schedule(train_lm, lm, first_run):
@@ -518,71 +538,3 @@ def test_a_start_that_failed_before_its_first_checkpoint_does_not_block_a_retry(
     assert _metrics(workdir)["resumed_from"] is None and lm.checkpoint.checkpoint_steps(
         workdir
     ) == [4]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-# One process of the example with a given number of CPU devices (the test process has
-# eight: conftest.py) and no accelerator.
-def _example_env(devices: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    return {
-        **env,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-    }
-
-
-def test_two_processes_train_as_one_process_with_two_devices(lm, tmp_path):
-    """The launch of docs/multihost.md on one machine: two processes started together
-    (the issue saw 4 of 6 such launches race on the workdir), one writer and one printer,
-    and the run of one process with two devices, bit for bit."""
-    port = _free_port()
-    workdir, reference = tmp_path / "two", tmp_path / "one"
-    command = [sys.executable, str(EXAMPLE), *TINY]
-    launch = ["--coordinator-address", f"localhost:{port}", "--num-processes", "2"]
-    processes = [
-        subprocess.Popen(
-            [*command, "--workdir", str(workdir), *launch, "--process-id", str(i)],
-            env=_example_env(1),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in (0, 1)
-    ]
-    single = subprocess.Popen(
-        [*command, "--workdir", str(reference)],
-        env=_example_env(2),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    outputs = [p.communicate(timeout=600) for p in (*processes, single)]
-    for p, (_, err) in zip((*processes, single), outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
-    (first, _), (second, _), (alone, _) = outputs
-    assert "rmsnorm | step 12: train" in first and f"config:      {workdir}" in first
-    assert "nats/byte" not in second and str(workdir) not in second  # process 1 is quiet
-    assert sorted(p.name for p in workdir.iterdir()) == sorted(
-        ["checkpoints", "config.json", "metrics.json", "loss.png"]
-    )
-    assert lm.checkpoint.checkpoint_steps(workdir) == [8, 12]
-    two, one = _metrics(workdir), _metrics(reference)
-    assert (
-        (two["devices"], two["mesh"])
-        == (2, {"data": 2, "model": 1})
-        == (
-            one["devices"],
-            one["mesh"],
-        )
-    )
-    np.testing.assert_allclose(two["train_loss"], one["train_loss"], rtol=SAME_RUN)
-    np.testing.assert_allclose(two["final_eval_loss"], one["final_eval_loss"], rtol=SAME_RUN)
-    assert alone.splitlines()[-4:] == [
-        line.replace(str(workdir), str(reference)) for line in first.splitlines()[-4:]
-    ]

@@ -44,6 +44,15 @@ def checkpoint_steps(workdir: str | Path) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(path)) if path.is_dir() else []
 
 
+def newest_complete(workdirs: list[Path]) -> tuple[Path, Path | None]:
+    """The workdir being trained (the last of ``workdirs`` that holds a config.json, else
+    the first) and its newest complete checkpoint, or None when it has none yet."""
+    started = [w for w in workdirs if run_files(w)["config"].exists()]
+    workdir = started[-1] if started else workdirs[0]
+    steps = checkpoint_steps(workdir)
+    return workdir, run_files(workdir)["checkpoints"] / str(steps[-1]) if steps else None
+
+
 def steps_in_words(steps: list[int]) -> str:
     return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"
 
@@ -145,7 +154,8 @@ def plan_run(
         raise ValueError(
             f"--resume: this command's config differs from the run saved in {config_file} "
             f"in {'; '.join(differing)}. Only {', '.join(MAY_DIFFER_ON_RESUME)} may change "
-            f"on resume: rerun with the saved values, or pass --overwrite to start afresh"
+            f"on resume: leave out the others (the saved run's are taken), or pass "
+            f"--overwrite to start afresh"
         )
     return config_lib.from_json(requested)
 

@@ -1,16 +1,21 @@
-"""Several processes (multi-host): the launch options, and decisions taken by process 0.
+"""Several processes (multi-host): the launch, decisions taken by process 0, a lost process.
 
 Every process runs the same program over one global mesh; process 0 alone checks and
-writes the workdir and prints (docs/multihost.md).
+writes the workdir and prints. A process that dies stops the others within seconds
+(``watch_processes``; docs/multihost.md, "When a host is lost").
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import sys
+import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -118,9 +123,14 @@ def say(text: str) -> None:
         print(text, flush=True)
 
 
+class Refused(ValueError):
+    """A refusal that process 0 decided and every process raises alike."""
+
+
 def decided_by_process_0(decide: Callable[[], Any]) -> Any:
     """``decide()`` run on process 0 alone, and its answer (anything JSON can hold) given
-    to every process; a ``ValueError`` it raises is raised on every process.
+    to every process; a ``ValueError`` it raises is raised on every process (as
+    ``Refused``).
 
     The workdir is read and changed by process 0 only: were every process to check it,
     one would find the ``config.json`` that process 0 had just written and refuse the
@@ -140,5 +150,107 @@ def decided_by_process_0(decide: Callable[[], Any]) -> Any:
     buffer = np.frombuffer(message, np.uint8) if message else np.zeros(size, np.uint8)
     received = json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes())
     if "error" in received:
-        raise ValueError(received["error"])
+        raise Refused(received["error"])
     return received["answer"]
+
+
+# When a process is lost (docs/multihost.md, "When a host is lost"). Each process writes a
+# counter to jax's coordination service every TICK_S; a process whose counter has not
+# moved for LOST_AFTER_S is lost, and the others stop (EXIT_LOST). jax's own heartbeat
+# ends the survivors with an abort and a C++ stack after HEARTBEAT_TIMEOUT_S (100 s by
+# default): the watch must decide first. SHUTDOWN_TIMEOUT_S bounds jax's wait for every
+# process at exit (300 s by default).
+TICK_S = 1.0
+LOST_AFTER_S = 10.0
+HEARTBEAT_TIMEOUT_S = 30
+SHUTDOWN_TIMEOUT_S = 30
+EXIT_LOST = 75  # EX_TEMPFAIL: a temporary failure; run again (with --resume)
+_ALIVE = "train_lm/alive/"
+
+
+def initialize(options: dict[str, Any]) -> None:
+    """``jax.distributed.initialize(**options)`` with this example's timeouts."""
+    jax.distributed.initialize(
+        **options,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+    )
+
+
+def _client():
+    """jax's client of the coordination service (the one orbax and multihost_utils use),
+    or None when this jax has none where expected."""
+    from jax._src import distributed as jax_distributed
+
+    return getattr(getattr(jax_distributed, "global_state", None), "client", None)
+
+
+class Watch:
+    """The watch of ``watch_processes``: ``lost`` is set once it has found a lost process
+    (it has then printed the stop and ended this process), ``done`` stops it."""
+
+    def __init__(self) -> None:
+        self.lost = threading.Event()
+        self.done = threading.Event()
+
+
+def _watch(client, watch: Watch, on_lost: Callable[[list[int]], NoReturn]) -> None:
+    """The watch's thread: beats, reads every process's beat, calls ``on_lost`` with the
+    processes whose beat stood still for ``LOST_AFTER_S``."""
+    me, count = jax.process_index(), jax.process_count()
+    others = [i for i in range(count) if i != me]
+    last = {i: (None, time.monotonic()) for i in others}  # beat, when it last moved
+    beat = 0
+    while not watch.done.wait(TICK_S):
+        beat += 1
+        try:
+            client.key_value_set(f"{_ALIVE}{me}", str(beat), allow_overwrite=True)
+            beats = dict(client.key_value_dir_get(_ALIVE))
+        except Exception:  # the coordination service itself is gone: process 0 is lost
+            lost = [0]
+        else:
+            now = time.monotonic()
+            for i in others:
+                seen = beats.get(f"{_ALIVE}{i}")
+                if seen != last[i][0]:
+                    last[i] = (seen, now)
+            lost = [i for i in others if now - last[i][1] > LOST_AFTER_S]
+        if lost and not watch.done.is_set():
+            watch.lost.set()
+            on_lost(lost)
+
+
+def watch_processes(on_lost: Callable[[list[int]], NoReturn]) -> Watch | None:
+    """Starts watching the other processes of this run in a thread; ``on_lost(ids)`` is
+    called there when some are lost (and must end this process). None on one process."""
+    client = _client()
+    if jax.process_count() == 1 or client is None:
+        return None
+    watch = Watch()
+    # Before jax's exit (atexit runs the last registered first): a process that ends for
+    # another reason stops beating, and its client may close under a beat.
+    atexit.register(watch.done.set)
+    thread = threading.Thread(
+        target=_watch, args=(client, watch, on_lost), name="lost-process-watch", daemon=True
+    )
+    thread.start()
+    return watch
+
+
+def finish(watch: Watch | None) -> None:
+    """The end of a run: every process here (a barrier), then the watch stops; so no
+    process takes another that has finished for a lost one."""
+    if watch is not None:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("train_lm: finished")
+        watch.done.set()
+
+
+def stop(lines: list[str]) -> NoReturn:
+    """Prints ``lines`` to stderr and ends this process at once with ``EXIT_LOST``:
+    ``os._exit``, so that neither Python's exit nor jax's (a shutdown barrier that the
+    lost process never reaches, then an abort) runs."""
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_LOST)

@@ -62,6 +62,12 @@ def validate_for_devices(cfg: Config, devices: list | None = None) -> None:
         )
 
 
+def check_runnable(cfg: Config) -> None:
+    """A ValueError when ``cfg`` cannot run here: its mesh, or a missing or empty corpus."""
+    validate_for_devices(cfg)
+    data.load_corpus(cfg.data)
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """AdamW after clipping, on a linear warmup and a cosine decay to a tenth."""
     warmup, length = schedule_of(cfg)
@@ -268,7 +274,9 @@ def train_and_evaluate(
     ``steps_trained`` is the number of steps this call trained.
     """
     workdir = Path(workdir)
-    cfg, latest = checkpoint.prepare_workdir(cfg, workdir, resume, overwrite, given)
+    cfg, latest = checkpoint.prepare_workdir(
+        cfg, workdir, resume, overwrite, given, check=check_runnable
+    )
     train_tokens, val_tokens = data.split_tokens(data.load_corpus(cfg.data), cfg)
     metrics = _new_metrics(cfg, train_tokens)
     if latest is not None and latest >= cfg.steps:
