@@ -10,6 +10,7 @@ the kernels' own numerics in ``test_kernels_gpu.py`` and ``test_kernels_tpu.py``
 import contextlib
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -413,14 +414,24 @@ _ENTRY_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.-]+\s*=\s*(.*?)\s+([\w-]+)\(")
 _PASS_THROUGH = {"parameter", "tuple", "get-tuple-element", "bitcast", "custom-call"}
 
 
+def _touches(line: str, shape: tuple[int, int]) -> bool:
+    """Whether ``line`` names an array of ``shape`` (rows x n), or a view of it whose first
+    dim is the rows (Mosaic GPU's kernels take rows as ``(rows, n // S, S)``)."""
+    rows, n = shape
+    for dims in re.findall(r"\[([\d,]+)\]", line):
+        sizes = [int(d) for d in dims.split(",")]
+        if sizes[0] == rows and math.prod(sizes) == rows * n:
+            return True
+    return False
+
+
 def _entry_ops(text: str, shape: tuple[int, int]) -> tuple[list[str], list[str]]:
     """(custom-call lines, other ops) of the entry computation touching a rows x n array."""
     entry = text[text.index("\nENTRY") :]
-    full = "[" + ",".join(map(str, shape)) + "]"
     calls, others = [], []
     for line in entry.splitlines()[1:]:
         match = _ENTRY_OP.match(line)
-        if match is None or full not in line:
+        if match is None or not _touches(line, shape):
             continue
         op = match.group(2)
         if op == "custom-call":

@@ -53,6 +53,9 @@ __all__ = [
 # cross-warp reduction scratch, each aligned to 1024 bytes).
 SMEM_BYTES = 227 * 1024
 _MOSAIC_SMEM = 2048
+# Mosaic GPU's barriers (8 bytes each) come after the aligned scratch and are not in
+# ``smem_scratch_bytes``: room for 16 of them (a plan at exactly SMEM_BYTES was 16 over).
+_BARRIER_BYTES = 128
 # Shared memory of one SM (228 KiB), of which each resident block also reserves 1 KiB.
 _SM_SMEM_BYTES = 228 * 1024
 # Float32 elements of one array per thread in a chunk: the forward's chunk math holds a
@@ -231,7 +234,7 @@ def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
         if stream and not split:
             break
         smem = _smem(spec, kind, split, S, T, R, slots, staged, outs, stream)
-        if smem <= SMEM_BYTES:
+        if smem + _BARRIER_BYTES <= SMEM_BYTES:
             return Plan(kind, split, S, J, v, lanes, T, R, slots, smem, stream)
     return None
 
