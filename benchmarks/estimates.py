@@ -47,6 +47,14 @@ def header(t: aot.Target, command: str, quick: bool) -> str:
     return smoke + f"Target: {t.name} ({t.devices[0].device_kind}); written by `{command}`"
 
 
+def begin(args, section: str, suffix: str = "") -> tuple:
+    """``(target, out, stem, head)`` of a deviceless section written to ``<section>-<target>``."""
+    t, out = target(args.target), report.output_dir(args.out, args.quick)
+    stem = f"{section}-{t.name.replace(':', '_')}{suffix}" + "-quick" * args.quick
+    print(f"{section} for {t.name}; writing {out / stem}.md/.json", flush=True)
+    return t, out, stem, header(t, args.command, args.quick)
+
+
 def unit(t: aot.Target) -> str:
     return {"cycles": "TPU cycles", "us": "microseconds"}[t.estimate_unit]
 

@@ -71,14 +71,11 @@ def markdown(section: dict) -> str:
 
 def run_target(args) -> dict:
     """Each norm in each mode compiled for ``--target``: ``gemma-<target>.md``, ``.json``."""
-    t = estimates.target(args.target)
+    t, out, stem, head = estimates.begin(args, "gemma")
     cfg = models.SMALL if args.quick else models.GEMMA3_270M
     batch, seq = QUICK_TARGET_BATCH if args.quick else BATCH
     batch, seq, order = args.batch or batch, args.seq or seq, list(peers.gemma_norms(None))
-    stem = "gemma-" + t.name.replace(":", "_") + "-quick" * args.quick
-    out = report.output_dir(args.out, args.quick)
-    print(f"gemma for {t.name}; writing {out / stem}.md/.json", flush=True)
-    head = estimates.header(t, args.command, args.quick) + (
+    head += (
         f". Gemma-3-style train step (`benchmarks/models.py`: {cfg.layers} blocks, d {cfg.d}, "
         f"{cfg.heads} query heads / {cfg.kv_heads} KV head of {cfg.head_dim}, MLP {cfg.hidden}, "
         f"vocab {cfg.vocab:,}, window {cfg.window}), batch {batch} x {seq}, loss + grad + AdamW, "

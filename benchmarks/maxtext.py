@@ -18,14 +18,12 @@ BATCH, QUICK_BATCH = (4, 1024), (2, 128)
 def run(args) -> dict:
     """Writes ``maxtext-<target>-jax<version>.md``, ``.json`` (two jax versions' compilers
     give different programs)."""
-    t, v = estimates.target(args.target), jax.__version__
+    v = jax.__version__
+    t, out, stem, head = estimates.begin(args, "maxtext", f"-jax{v}")
     cfg = models.MAXTEXT_QUICK if args.quick else models.MAXTEXT_TABLES
     batch, seq = QUICK_BATCH if args.quick else BATCH
     batch, seq = args.batch or batch, args.seq or seq
-    stem = f"maxtext-{t.name.replace(':', '_')}-jax{v}" + "-quick" * args.quick
-    out = report.output_dir(args.out, args.quick)
-    print(f"maxtext for {t.name}; writing {out / stem}.md/.json", flush=True)
-    head = estimates.header(t, args.command, args.quick) + (
+    head += (
         f", jax {v}. MaxText-shaped Llama2-style train step (`benchmarks/models.py`: {cfg.layers} "
         f"layers, d {cfg.d}, {cfg.heads} heads of {cfg.head_dim}, MLP {cfg.hidden}, vocab "
         f"{cfg.vocab:,}), batch {batch} x {seq}, loss + grad + AdamW, bfloat16 activations, "
