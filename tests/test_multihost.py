@@ -154,6 +154,7 @@ def test_a_lost_process_stops_the_other_which_resumes_to_the_uninterrupted_run(l
     _, err = _finished(processes[0], tmp_path / "p0", timeout=120)
     stopped = time.monotonic() - killed
     assert processes[1].wait(timeout=60) == -signal.SIGKILL
+    print(f"process 0 stopped {stopped:.1f} s after process 1 was killed")
 
     # The stop: within a minute, exit code 75, four lines and no stack.
     assert processes[0].returncode == lm.distributed.EXIT_LOST, err[-3000:]

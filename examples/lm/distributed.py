@@ -157,9 +157,9 @@ def decided_by_process_0(decide: Callable[[], Any]) -> Any:
 # When a process is lost (docs/multihost.md, "When a host is lost"). Each process writes a
 # counter to jax's coordination service every TICK_S; a process whose counter has not
 # moved for LOST_AFTER_S is lost, and the others stop (EXIT_LOST). jax's own heartbeat
-# ends the survivors with an abort and a C++ stack after HEARTBEAT_TIMEOUT_S (100 s by
-# default): the watch must decide first. SHUTDOWN_TIMEOUT_S bounds jax's wait for every
-# process at exit (300 s by default).
+# check ends the survivors with an abort and a C++ stack HEARTBEAT_TIMEOUT_S after the loss
+# (jax's default: 100 s), so the watch must decide well before; SHUTDOWN_TIMEOUT_S bounds
+# jax's wait for every process at exit (jax's default: 300 s).
 TICK_S = 1.0
 LOST_AFTER_S = 10.0
 HEARTBEAT_TIMEOUT_S = 30
