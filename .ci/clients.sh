@@ -3,9 +3,10 @@
 # the pinned version in a virtual environment of its own, with this checkout installed
 # editable:
 #   - google-tunix 0.1.7 and equinox 0.13.8, the machine's python3 (3.11 here):
-#     tests/test_clients_tunix.py, tests/test_clients_equinox.py;
+#     tests/integrations/test_clients_tunix.py and test_clients_equinox.py;
 #   - gemma 4.0.1 (Google DeepMind; needs Python >= 3.12), pyenv's 3.12.1:
-#     tests/test_clients_gemma.py.
+#     tests/integrations/test_clients_gemma.py.
+# The tests are the ones marked `clients` (pyproject.toml's markers).
 # The two environments install side by side, then the two test runs go side by side (each
 # is mostly one compiling thread); the job prints its duration. The environments live in
 # $RMSNORM_JAX_CLIENT_VENVS (default: a folder under $TMPDIR, outside the checkout) and
@@ -65,19 +66,18 @@ if [ "$phase" != test ]; then
 fi
 [ "$phase" = install ] && exit 0
 
-run_tests() {  # run_tests NAME TEST_FILE...
-  local venv="$venvs/$1" record="$venvs/$1-record.jsonl"
-  shift
+run_tests() {  # run_tests NAME LIBRARIES: the tests marked clients of LIBRARIES (-k), in NAME's environment
+  local venv="$venvs/$1" record="$venvs/$1-record.jsonl" libraries=$2
   rm -f "$record"
   # -s: the tests print their float32 and bfloat16 differences against the library's own,
   # and append them to $record (.ci/clients_tables.py makes docs/results/clients-tests.md).
   RMSNORM_JAX_CLIENT_RECORD="$record" JAX_PLATFORMS=cpu \
-    "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s "$@"
+    "$venv/bin/python" -m pytest -p no:cacheprovider -q -rs -s -m clients -k "$libraries" \
+    tests/integrations
 }
-run_tests tunix tests/test_clients_tunix.py tests/test_clients_equinox.py \
-  > "$venvs/tunix-tests.log" 2>&1 &
+run_tests tunix "tunix or equinox" > "$venvs/tunix-tests.log" 2>&1 &
 tunix_tests=$!
-run_tests gemma tests/test_clients_gemma.py > "$venvs/gemma-tests.log" 2>&1 &
+run_tests gemma gemma > "$venvs/gemma-tests.log" 2>&1 &
 gemma_tests=$!
 wait "$tunix_tests" || status=$?
 wait "$gemma_tests" || status=$?

@@ -227,3 +227,53 @@ def gpu_kernel_call(device=None) -> str:
 
     calls = {"mosaic_gpu": 'custom_call_target="mosaic_gpu', "triton": "__gpu$xla.gpu.triton"}
     return calls[_dispatch.gpu_backend(device)]
+
+
+# ---------------------------------------------------------------- the kernels' contract
+
+
+def kernel_inputs(rows, n, dtype, seed=0, param_dtype=jnp.float32):
+    """``(x, scale, bias, dy)`` for a kernel call of ``rows`` rows of ``n`` features."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    x = (2.0 * jax.random.normal(keys[0], (rows, n))).astype(dtype)
+    scale = (1.0 + 0.3 * jax.random.normal(keys[1], (n,))).astype(param_dtype)
+    bias = (0.1 * jax.random.normal(keys[2], (n,))).astype(param_dtype)
+    dy = jax.random.normal(keys[3], (rows, n)).astype(dtype)
+    return x, scale, bias, dy
+
+
+def kernel_oracle(spec, x, scale, bias, dy):
+    """Float64 ``y``, the statistic and ``(dx, dscale, dbias)`` of ``sum(y * dy)`` for a
+    kernel ``spec``, by autodiff of the plain formula. Must run under x64."""
+    x, scale, bias, dy = to64((x, scale, bias, dy))
+    placement = "inside" if spec.inside else "outside"
+    kw = dict(eps=spec.eps, k=spec.k, scale_offset=spec.scale_offset, eps_placement=placement)
+    y, vjp = jax.vjp(lambda x, s, b: rms_norm_reference(x, s, bias=b, **kw), x, scale, bias)
+    ms = jnp.mean(x[:, : spec.k] ** 2, axis=1)
+    stat = 1 / jnp.sqrt(ms + spec.eps) if spec.inside else jnp.sqrt(ms)
+    return y, stat, vjp(dy)
+
+
+def check_kernel_outputs(spec, dtype, x, scale, bias, dy, got):
+    """A backend's ``(y, stat, dx, dscale_partials, dbias_partials)`` against
+    :func:`kernel_oracle`: ``dtype``'s tolerance for ``y`` and ``dx``, float32's for the
+    statistic and the summed partials (float32 whatever the input dtype)."""
+    y, stat, dx, dscale, dbias = got
+    scale = scale if spec.has_scale else None
+    bias = bias if spec.has_bias else None
+    assert (y.dtype, stat.dtype, dx.dtype) == (spec.out_dtype, jnp.float32, x.dtype)
+    assert y.shape == dx.shape == x.shape and stat.shape == x.shape[:1]
+    with jax.enable_x64(True):
+        y_o, stat_o, (dx_o, dscale_o, dbias_o) = kernel_oracle(spec, x, scale, bias, dy)
+        assert_close(y, y_o, **tol(dtype))
+        assert_close(stat, stat_o, **tol(jnp.float32))
+        assert_close(dx, dx_o, **tol(dtype))
+        for present, partials, want in (
+            (spec.has_scale, dscale, dscale_o),
+            (spec.has_bias, dbias, dbias_o),
+        ):
+            if present:
+                assert partials.dtype == jnp.float32 and partials.shape[1:] == (spec.n,)
+                assert_close(partials.sum(0), want, **tol(jnp.float32))
+            else:
+                assert partials is None

@@ -28,7 +28,7 @@ constants say why each is chosen; none is tuned on a GPU yet):
   (a fixed order, no atomics).
 
 ``interpret=True`` (or a ``plgpu.InterpretGPUParams``, e.g. with ``detect_races=True``)
-runs the same kernels on the CPU (jax >= 0.11.2): ``tests/test_kernels_mosaic_gpu.py``.
+runs the same kernels on the CPU (jax >= 0.11.2): ``tests/kernels/test_mosaic_gpu.py``.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from helpers import deviceless_skip_reason
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_lm.py"
 
 # The command line of a tiny run: 12 steps of a 1-layer, d=32 model, checkpoints every 4.

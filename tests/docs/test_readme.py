@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README_PATH = ROOT / "README.md"
 README = README_PATH.read_text()
 DOCS = sorted((ROOT / "docs").glob("*.md"))

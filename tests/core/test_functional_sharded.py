@@ -14,6 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import rms_norm
 
+pytestmark = pytest.mark.newest
+
 
 @pytest.fixture
 def mesh():

@@ -19,6 +19,8 @@ import pytest
 
 from rmsnorm_jax import integrations
 
+pytestmark = pytest.mark.clients
+
 with warnings.catch_warnings():
     # gemma imports SWIG-built modules (sentencepiece), which Python 3.12 warns about.
     warnings.filterwarnings("ignore", "builtin type .* has no __module__", DeprecationWarning)

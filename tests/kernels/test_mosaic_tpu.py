@@ -1,7 +1,6 @@
 """The Pallas Mosaic TPU kernels (``rmsnorm_jax.kernels.mosaic_tpu``) and the TPU7x target.
 
-- Interpret mode (Pallas TPU interpret mode, on CPU) against the float64 formula under
-  ``jax.vjp``: y, the per-row statistic, dx and the summed parameter gradients.
+- Their numerics against the float64 formula, in interpret mode: ``test_backends.py``.
 - Deviceless compiles, one single-device program per TPU generation: the forward and
   backward kernels are the program's only full-size passes, at the widest rows that
   ``fits`` accepts too (so the block sizing stays within each generation's VMEM).
@@ -16,13 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import aot_target, assert_close
+from helpers import aot_target
 from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax.kernels import KernelSpec, mosaic_tpu, mosaic_tpu_plan
-from rmsnorm_jax.reference import rms_norm_reference
+
+pytestmark = pytest.mark.newest
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 TPU_TARGETS = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
@@ -32,81 +32,6 @@ TPU_TARGETS["tpu7x"] = "tpu7x"
 def _spec(n, dtype, *, p=1.0, eps=1e-6, inside=True, offset=0.0, scale=True, bias=False):
     k = min(n, int(np.ceil(round(n * p, 9))))
     return KernelSpec(n, k, eps, inside, offset, scale, bias, np.dtype(dtype))
-
-
-# ---------------------------------------------------------------- interpret mode
-
-# (rows, n, x dtype, spec options, residual dtype): odd feature counts, rows that are
-# not a multiple of the block, p < 1, scale_offset, bias, both eps placements, and the
-# residual form. Rows of 3 blocks or more also exercise the backward's second slot.
-CASES = [
-    (45, 1000, F32, dict(bias=True), None),
-    (40, 256, BF16, dict(p=0.3, offset=1.0, inside=False), None),
-    (24, 384, BF16, dict(bias=True, scale=False), F32),
-    (20, 130, F32, dict(scale=False, inside=False, p=0.5), None),
-]
-
-
-@pytest.mark.parametrize("rows, n, dtype, options, residual_dtype", CASES)
-def test_interpret_mode_matches_the_float64_formula(rows, n, dtype, options, residual_dtype):
-    spec = _spec(n, dtype, **options)
-    keys = jax.random.split(jax.random.key(rows * n), 6)
-    x = (2.0 * jax.random.normal(keys[0], (rows, n)) + 0.5).astype(dtype)
-    scale = (1.0 + 0.3 * jax.random.normal(keys[1], (n,))).astype(dtype)
-    bias = (0.2 * jax.random.normal(keys[2], (n,))).astype(dtype)
-    dy = jax.random.normal(keys[3], (rows, n)).astype(dtype)
-    residual = dh = None
-    if residual_dtype is not None:
-        residual = jax.random.normal(keys[4], (rows, n)).astype(residual_dtype)
-        dh = jax.random.normal(keys[5], (rows, n)).astype(residual_dtype)
-    scale_in = scale if spec.has_scale else None
-    bias_in = bias if spec.has_bias else None
-    h_dtype = residual_dtype
-
-    y, stat, h = jax.jit(
-        lambda x, r, s, b: mosaic_tpu.forward(spec, x, s, b, r, h_dtype=h_dtype, interpret=True)
-    )(x, residual, scale_in, bias_in)
-    normed = x if residual is None else h
-    dx_dtype = np.dtype(dtype if residual is None else residual_dtype)
-    dx, dscale, dbias = jax.jit(
-        lambda x, dy, st, s, dh: mosaic_tpu.backward(
-            spec, x, dy, st, s, dh, dx_dtype=dx_dtype, interpret=True
-        )
-    )(normed, dy, stat, scale_in, dh)
-
-    assert y.dtype == dtype and stat.shape == (rows,) and stat.dtype == F32
-    assert dx.dtype == dx_dtype and dx.shape == (rows, n)
-    assert (dscale is None) == (not spec.has_scale) and (dbias is None) == (not spec.has_bias)
-
-    placement = "inside" if spec.inside else "outside"
-    kw = dict(eps=spec.eps, k=spec.k, scale_offset=spec.scale_offset, eps_placement=placement)
-    with jax.enable_x64(True):
-        f64 = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))
-        x64, r64, s64, b64, dy64, dh64 = map(f64, (x, residual, scale_in, bias_in, dy, dh))
-
-        def norm(x, r, s, b):
-            h = x if r is None else x + r
-            return rms_norm_reference(h, s, bias=b, **kw), h
-
-        (y_ref, h_ref), vjp = jax.vjp(norm, x64, r64, s64, b64)
-        dx_ref, _, ds_ref, db_ref = vjp((dy64, jnp.zeros_like(h_ref) if dh is None else dh64))
-        ms = jnp.mean(h_ref[:, : spec.k] ** 2, axis=1)
-        stat_ref = 1 / jnp.sqrt(ms + spec.eps) if spec.inside else jnp.sqrt(ms)
-
-    low = dict(rtol=2e-2, atol=2e-2)  # one bfloat16 rounding of the result
-    tight = dict(rtol=2e-5, atol=2e-5)
-    out_tol = tight if dtype == F32 else low
-    assert_close(y, y_ref, **out_tol)
-    assert_close(stat, stat_ref, **tight)
-    if h is not None:
-        assert h.dtype == residual_dtype
-        assert_close(h, h_ref, **tight)
-    assert_close(dx, dx_ref, **(tight if dx_dtype == F32 else low))
-    for partials, ref in ((dscale, ds_ref), (dbias, db_ref)):
-        if partials is not None:
-            assert partials.dtype == F32 and partials.shape[1] == n
-            # float32 sums of products of the input values: no rounding of the result.
-            assert_close(jnp.sum(partials, 0), ref, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- fits and block sizes

@@ -34,6 +34,7 @@ with warnings.catch_warnings():
 
 # What tunix 0.1.7 does that flax 0.12 deprecates (not ours: every other warning fails).
 pytestmark = [
+    pytest.mark.clients,
     pytest.mark.filterwarnings("ignore:'sharding' is deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:'.value' access is now deprecated:DeprecationWarning"),
     pytest.mark.filterwarnings(

@@ -9,6 +9,8 @@ from helpers import assert_close, offset_normal, oracle_value_and_grads, tol
 
 import rmsnorm_jax
 
+pytestmark = [pytest.mark.newest, pytest.mark.oldest]
+
 # Configurations flax supports: the feature axes are the reduced ones or a subset.
 AXES = [
     dict(),

@@ -25,6 +25,8 @@ import rmsnorm_jax.nnx
 from rmsnorm_jax import add_rms_norm, gated_rms_norm, rms_norm
 from rmsnorm_jax.reference import rms_norm_reference
 
+pytestmark = pytest.mark.newest
+
 F64 = dict(rtol=1e-10, atol=1e-10)
 
 OPTIONS = {

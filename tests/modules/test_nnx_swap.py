@@ -1,7 +1,7 @@
 """The one-line NNX swap for models with their own zero-centred norm (issue 20).
 
 ``rmsnorm_jax.nnx.RMSNorm.gemma`` takes Gemma's argument names and its ``(1 + scale)``
-semantics (MaxText's own norm is ``x_hat * scale``: tests/test_integrations.py); the trap
+semantics (MaxText's own norm is ``x_hat * scale``: tests/integrations/test_integrations.py); the trap
 it avoids is a zero-centred scale read as ``x_hat * scale``. The oracle is each model's
 own formula, written here in float64.
 """
@@ -17,6 +17,8 @@ from flax import nnx
 from helpers import assert_close, offset_normal, tol
 
 from rmsnorm_jax.nnx import RMSNorm
+
+pytestmark = pytest.mark.newest
 
 EPS = 1e-6
 

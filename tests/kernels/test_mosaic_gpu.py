@@ -1,10 +1,10 @@
-"""The Mosaic GPU kernels (``rmsnorm_jax/kernels/mosaic_gpu.py``) against the float64 oracle.
-
+"""What is the Mosaic GPU kernels' own (``rmsnorm_jax/kernels/mosaic_gpu.py``): wide rows
+staged and streamed, the persistent backward's partial sums (both under the interpreter's
+race detector), ``fits``, the argument errors, and a deviceless H100 compile (each kernel
+one Mosaic GPU call, no register spills, the planned shared memory what Mosaic allocates).
 On a CPU the kernels run in Mosaic GPU interpret mode (the same kernel bodies, shared
-memory, TMA copies and barriers, on the CPU); on a GPU backend they run compiled. The
-oracle is ``rms_norm_reference`` in float64 under ``jax.vjp`` on the same input values.
-A deviceless H100 compile checks that each kernel is one Mosaic GPU call, that ptxas
-spills no register, and that the plan's shared memory is what Mosaic allocates.
+memory, TMA copies and barriers); on a GPU they run compiled. Their numerics against the
+float64 formula over widths, dtypes and options are ``test_backends.py``'s.
 """
 
 import dataclasses
@@ -16,7 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import aot_target, assert_close, to64, tol
+from helpers import (
+    aot_target,
+    assert_close,
+    check_kernel_outputs,
+    kernel_inputs,
+    kernel_oracle,
+    to64,
+    tol,
+)
 from helpers import kernel_spec as _spec
 from jax.sharding import PartitionSpec as P
 
@@ -24,11 +32,14 @@ from rmsnorm_jax import aot
 from rmsnorm_jax.kernels import mosaic_gpu
 from rmsnorm_jax.reference import rms_norm_reference
 
-pytestmark = pytest.mark.skipif(
-    not mosaic_gpu.available(),
-    reason=f"the Mosaic GPU kernels need jax >= 0.11.2 (plgpu.kernel and its interpret "
-    f"mode, InterpretGPUParams); this is jax {jax.__version__}",
-)
+pytestmark = [
+    pytest.mark.newest,
+    pytest.mark.skipif(
+        not mosaic_gpu.available(),
+        reason=f"the Mosaic GPU kernels need jax >= 0.11.2 (plgpu.kernel and its interpret "
+        f"mode, InterpretGPUParams); this is jax {jax.__version__}",
+    ),
+]
 INTERPRET = jax.default_backend() != "gpu"
 EPS = 1e-5
 
@@ -46,30 +57,6 @@ def _race_checked():
     return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
 
 
-def _inputs(rows, n, dtype, seed=0, param_dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    x = (2.0 * jax.random.normal(keys[0], (rows, n))).astype(dtype)
-    scale = (1.0 + 0.3 * jax.random.normal(keys[1], (n,))).astype(param_dtype)
-    bias = (0.1 * jax.random.normal(keys[2], (n,))).astype(param_dtype)
-    dy = jax.random.normal(keys[3], (rows, n)).astype(dtype)
-    return x, scale, bias, dy
-
-
-def _oracle(spec, x, scale, bias, dy):
-    """Float64 y, stat and (dx, dscale, dbias) of sum(y * dy), by autodiff."""
-    x, scale, bias, dy = to64((x, scale, bias, dy))
-    placement = "inside" if spec.inside else "outside"
-    kw = dict(eps=spec.eps, k=spec.k, scale_offset=spec.scale_offset, eps_placement=placement)
-
-    def f(x, scale, bias):
-        return rms_norm_reference(x, scale, bias=bias, **kw)
-
-    y, vjp = jax.vjp(f, x, scale, bias)
-    ms = jnp.mean(x[:, : spec.k] ** 2, axis=1)
-    stat = 1 / jnp.sqrt(ms + spec.eps) if spec.inside else jnp.sqrt(ms)
-    return y, stat, vjp(dy)
-
-
 def _run(spec, x, scale, bias, dy, interpret=INTERPRET):
     scale = scale if spec.has_scale else None
     bias = bias if spec.has_bias else None
@@ -81,158 +68,24 @@ def _run(spec, x, scale, bias, dy, interpret=INTERPRET):
     return y, stat, dx, dscale, dbias
 
 
-def _check(spec, dtype, x, scale, bias, dy, got):
-    y, stat, dx, dscale, dbias = got
-    scale = scale if spec.has_scale else None
-    bias = bias if spec.has_bias else None
-    assert (y.dtype, stat.dtype, dx.dtype) == (spec.out_dtype, jnp.float32, x.dtype)
-    assert y.shape == dx.shape == x.shape and stat.shape == x.shape[:1]
-    with jax.enable_x64(True):
-        y_o, stat_o, (dx_o, dscale_o, dbias_o) = _oracle(spec, x, scale, bias, dy)
-        assert_close(y, y_o, **tol(dtype))
-        assert_close(stat, stat_o, **tol(jnp.float32))
-        assert_close(dx, dx_o, **tol(dtype))
-        # The partial sums are float32 whatever the input dtype: float32 tolerances
-        # against the oracle on the same (rounded) inputs.
-        for present, got_sum, want in (
-            (spec.has_scale, dscale, dscale_o),
-            (spec.has_bias, dbias, dbias_o),
-        ):
-            if present:
-                assert got_sum.dtype == jnp.float32 and got_sum.shape[1:] == (spec.n,)
-                assert_close(got_sum.sum(0), want, **tol(jnp.float32))
-            else:
-                assert got_sum is None
-
-
-# QK-norm's 64 and 128 features (row tiles of 16-32 rows), 256, 1000 (odd splits of 200:
-# 2-byte vectors), 4096 (one row a block, split in 16); rows that leave the last block
-# partial. Every width in bfloat16, some in float32 and float16 (each shape is a new
-# interpret-mode compile, seconds on a CPU). 1000 features float32 with both sums do not
-# fit (test_fits): no bias at 1000.
-_BF16 = [
-    (jnp.bfloat16, rows, n) for rows, n in [(37, 64), (37, 128), (19, 256), (13, 1000), (3, 4096)]
-]
-_F32 = [(jnp.float32, rows, n) for rows, n in [(37, 64), (13, 1000), (3, 4096)]]
-_F16 = [(jnp.float16, rows, n) for rows, n in [(37, 128), (19, 256)]]
-
-
-@pytest.mark.parametrize("dtype, rows, n", _BF16 + _F32 + _F16)
-def test_forward_and_backward_match_the_float64_formula(dtype, rows, n):
-    spec = _spec(n, dtype, bias=n != 1000)
-    x, scale, bias, dy = _inputs(rows, n, dtype)
-    plan = mosaic_gpu.plan(spec, rows, dtype, "forward")
-    assert plan.split == (n == 4096) and (rows % plan.R or plan.split)
-    _check(spec, dtype, x, scale, bias, dy, _run(spec, x, scale, bias, dy))
-
-
 def test_wide_rows_staged_forward_and_streamed_backward():
     """16384 features float32: the forward stages the row (two chunks per pass), the
     backward's two sums leave no room for the row: streamed. Free of data races."""
     spec = _spec(16384, jnp.float32, offset=1.0)
-    x, scale, bias, dy = _inputs(3, 16384, jnp.float32, seed=8)
+    x, scale, bias, dy = kernel_inputs(3, 16384, jnp.float32, seed=8)
     assert not mosaic_gpu.plan(spec, 3, jnp.float32, "forward").stream
     assert mosaic_gpu.plan(spec, 3, jnp.float32, "backward").stream
     got = _run(spec, x, scale, bias, dy, interpret=_race_checked())
-    _check(spec, jnp.float32, x, scale, bias, dy, got)
+    check_kernel_outputs(spec, jnp.float32, x, scale, bias, dy, got)
 
 
-@pytest.mark.parametrize(
-    "n, k, inside, dtype",
-    [(96, 7, False, jnp.float32), (4096, 300, True, jnp.bfloat16)],
-)
-def test_partial_rms_norm_with_offset_and_both_placements(n, k, inside, dtype):
-    """pRMSNorm: k = 7 of n = 96 (row tiles), k = 300 of 4096 (a split row: the mask
-    crosses a chunk), scale_offset = 1.0, no bias; "inside" row tiles are the sweep's."""
-    spec = _spec(n, dtype, k=k, inside=inside, offset=1.0, bias=False)
-    x, scale, _, dy = _inputs(21 if n < 4096 else 3, n, dtype, seed=2)
-    _check(spec, dtype, x, scale, None, dy, _run(spec, x, scale, None, dy))
-
-
-@pytest.mark.parametrize(
-    "x_dtype, out_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float16)]
-)
-def test_no_scale_no_bias(x_dtype, out_dtype):
-    """Without parameters the 16-bit forward holds 16-byte vectors of 8 features; float16
-    y (and dy) of float32 rows."""
-    spec = _spec(256, out_dtype, scale=False, bias=False)
-    x, _, _, dy = _inputs(9, 256, x_dtype, seed=3)
-    dy = dy.astype(out_dtype)
-    widest = max(jnp.dtype(x_dtype).itemsize, jnp.dtype(out_dtype).itemsize)
-    assert mosaic_gpu.plan(spec, 9, x_dtype, "forward").v == 16 // widest
-    _check(spec, out_dtype, x, None, None, dy, _run(spec, x, None, None, dy))
-
-
-def test_an_all_zero_row_with_eps_outside():
-    """s = 0: y = bias, stat = 0, and dx = (scale + offset) * dy / eps (the cross term's
-    limit is 0; autodiff of sqrt gives nan there, so these are hand-computed)."""
-    spec = _spec(512, jnp.float32, inside=False, offset=1.0)
-    x, scale, bias, dy = _inputs(6, 512, jnp.float32, seed=4)
-    x = x.at[2].set(0.0)
-    y, stat, dx, dscale, dbias = _run(spec, x, scale, bias, dy)
-    f32 = tol(jnp.float32)
-    assert float(stat[2]) == 0.0
-    assert_close(y[2], bias, **f32)
-    assert_close(dx[2], (np.asarray(scale) + 1.0) * np.asarray(dy[2]) / EPS, **f32)
-    assert np.isfinite(np.asarray(dx)).all()
-    others = np.array([0, 1, 3, 4, 5])
-    with jax.enable_x64(True):
-        y_o, _, (dx_o, dscale_o, dbias_o) = _oracle(spec, x[others], scale, bias, dy[others])
-        assert_close(y[others], y_o, **f32)
-        assert_close(dx[others], dx_o, **f32)
-        # The zero row adds dy * 0 to the scale gradient and dy to the bias gradient.
-        assert_close(dscale.sum(0), dscale_o, **f32)
-        assert_close(dbias.sum(0), np.asarray(dbias_o) + np.asarray(dy[2], np.float64), **f32)
-
-
-@pytest.mark.parametrize("x_dtype, res_dtype, h_dtype, n", [
-    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, 1000),  # no bias (test_fits)
-    (jnp.bfloat16, jnp.float32, jnp.float32, 4096),
-    (jnp.float16, jnp.float32, jnp.float16, 128),
-])  # fmt: skip
-def test_residual_form(x_dtype, res_dtype, h_dtype, n):
-    """h = x + residual in h_dtype; y = norm(h); dx = dresidual = dnorm(h) + dh."""
-    rows = 11 if n < 4096 else 3
-    spec = _spec(n, x_dtype, offset=1.0, bias=n != 1000)
-    x, scale, bias, dy = _inputs(rows, n, x_dtype, seed=5)
-    residual, _, _, dh = _inputs(rows, n, res_dtype, seed=6)
-    bias = bias if spec.has_bias else None
-    y, stat, h = mosaic_gpu.forward(
-        spec, x, scale, bias, residual, h_dtype=h_dtype, interpret=INTERPRET
-    )
-    dx, dscale, dbias = mosaic_gpu.backward(
-        spec, h, dy, stat, scale, dh.astype(h_dtype), dx_dtype=h_dtype, interpret=INTERPRET
-    )
-    assert (h.dtype, dx.dtype) == (h_dtype, h_dtype)
-    h_expected = x.astype(h_dtype) + residual.astype(h_dtype)
-    np.testing.assert_array_equal(np.asarray(h, np.float64), np.asarray(h_expected, np.float64))
-    with jax.enable_x64(True):
-        kw = dict(eps=EPS, scale_offset=1.0)
-        # The oracle normalizes the h the kernel wrote (rounded to h_dtype), so h's own
-        # rounding is not counted twice.
-        h64, dy64, dh64 = to64((h, dy, dh.astype(h_dtype)))
-        s64, b64 = to64((scale, bias))
-
-        def loss(h, scale, bias):
-            return jnp.sum(rms_norm_reference(h, scale, bias=bias, **kw) * dy64)
-
-        y_o = rms_norm_reference(h64, s64, bias=b64, **kw)
-        dx_o, dscale_o, dbias_o = jax.grad(loss, argnums=(0, 1, 2))(h64, s64, b64)
-        assert_close(y, y_o, **tol(x_dtype))
-        assert_close(dx, dx_o + dh64, **tol(h_dtype))
-        assert_close(dscale.sum(0), dscale_o, **tol(jnp.float32))
-        if spec.has_bias:
-            assert_close(dbias.sum(0), dbias_o, **tol(jnp.float32))
-
-
-@pytest.mark.parametrize("n, rows, programs", [(2048, 13, 3), (4096, 5, 2)])
 def test_persistent_backward_partials_hold_each_programs_rows(n, rows, programs):
     """Program p walks row blocks p, p + programs, ... (both staging slots, a partial
     last block of 4 rows at 2048 features) and writes the sums of its rows only; eps = 0
     with "outside": rows past the end would give nan without the masks. Free of data
     races (slots refilled while the other is read, rings, the statistic's ring)."""
     spec = _spec(n, jnp.float32, eps=0.0, inside=False)
-    x, scale, bias, dy = _inputs(rows, n, jnp.float32, seed=7)
+    x, scale, bias, dy = kernel_inputs(rows, n, jnp.float32, seed=7)
     plan = mosaic_gpu.plan(spec, rows, jnp.float32, "backward")
     races = _race_checked()
     forward_blocks = mosaic_gpu.plan(spec, rows, jnp.float32, "forward").blocks(rows)
@@ -253,7 +106,7 @@ def test_persistent_backward_partials_hold_each_programs_rows(n, rows, programs)
             got = slice(program * plan.acc_rows, (program + 1) * plan.acc_rows)
             assert_close(dscale[got].sum(0), (np.asarray(dy64) * xhat)[mine].sum(0), **f32)
             assert_close(dbias[got].sum(0), np.asarray(dy64)[mine].sum(0), **f32)
-        _, _, (dx_o, _, _) = _oracle(spec, x, scale, bias, dy)
+        _, _, (dx_o, _, _) = kernel_oracle(spec, x, scale, bias, dy)
         assert_close(dx, dx_o, **tol(jnp.float32))
 
 
@@ -277,7 +130,7 @@ def test_fits():
 
 def test_bad_arguments_name_the_argument_and_the_fix():
     spec = _spec(64, jnp.float32)
-    x, scale, bias, dy = _inputs(4, 64, jnp.float32)
+    x, scale, bias, dy = kernel_inputs(4, 64, jnp.float32)
     with pytest.raises(ValueError, match=r"x must have shape \(rows, 64\).*reshape"):
         mosaic_gpu.forward(spec, x.reshape(8, 32), scale, bias, interpret=True)
     with pytest.raises(ValueError, match=r"bias is None but spec\.has_bias"):

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_lm.py"
 
-# The tiny model of tests/test_train_lm.py: 1 layer of d=32, a batch of 8 x 32 bytes.
+# The tiny model of tests/example/test_train_lm.py: 1 layer of d=32, a batch of 8 x 32 bytes.
 TINY = [
     "--batch-size=8",
     "--seq-len=32",
@@ -33,7 +33,7 @@ TINY = [
     "--checkpoint-every=4",
     "--no-progress",
 ]
-# The same run computed alike (tests/test_train_lm.py's SAME_RUN): XLA:CPU is bitwise
+# The same run computed alike (tests/example/test_train_lm.py's SAME_RUN): XLA:CPU is bitwise
 # reproducible for one program on the same inputs.
 SAME_RUN = 1e-6
 

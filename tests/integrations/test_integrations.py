@@ -526,9 +526,9 @@ def test_patch_maxtext_refuses_an_unknown_shape(init_args, call_args, message):
 
 
 def test_patch_refuses_an_unknown_implementation():
-    with pytest.raises(ValueError, match="implementation must be one of .*got 'cuda'"):
+    with pytest.raises(ValueError, match=r"implementation must be one of .*got 'cuda'"):
         integrations.patch_maxtext("cuda", module=maxtext_standin)
-    with pytest.raises(ValueError, match="implementation must be one of .*got 'cuda'"):
+    with pytest.raises(ValueError, match=r"implementation must be one of .*got 'cuda'"):
         integrations.patch_flax("cuda")
 
 

@@ -15,6 +15,8 @@ import rmsnorm_jax.nnx
 from rmsnorm_jax import add_rms_norm, gated_rms_norm
 from rmsnorm_jax.reference import rms_norm_reference
 
+pytestmark = pytest.mark.newest
+
 
 def _normal(seed, shape, scale=1.0, shift=0.0):
     return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32) + shift

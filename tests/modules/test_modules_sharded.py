@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 import rmsnorm_jax
 
+pytestmark = pytest.mark.newest
+
 RULES = (("batch", "data"), ("embed", "model"))
 
 

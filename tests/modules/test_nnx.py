@@ -11,6 +11,8 @@ from helpers import assert_close, offset_normal, tol
 import rmsnorm_jax
 import rmsnorm_jax.nnx
 
+pytestmark = [pytest.mark.newest, pytest.mark.oldest]
+
 
 def _x(shape=(4, 3, 16), dtype=jnp.float32, seed=0):
     return offset_normal(shape, dtype, seed)

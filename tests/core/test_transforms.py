@@ -28,6 +28,8 @@ from rmsnorm_jax.reference import (
     rms_norm_reference,
 )
 
+pytestmark = pytest.mark.newest
+
 ROWS, N = 8, 256
 EPS = 1e-6
 TOL = 2e-5  # float32 inputs against float64: relative, and absolute per magnitude

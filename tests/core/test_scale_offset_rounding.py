@@ -17,6 +17,8 @@ import pytest
 
 from rmsnorm_jax import add_rms_norm, rms_norm
 
+pytestmark = pytest.mark.newest
+
 F32_EPS = 2.0**-24  # unit roundoff
 ULPS = 8  # x * r (rsqrt's few ulp), the product with the gain, the output rounding
 

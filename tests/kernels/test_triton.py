@@ -1,10 +1,8 @@
-"""The Pallas-Triton kernels (``rmsnorm_jax/kernels/triton.py``) against the float64 oracle.
-
-On CPU the kernels run in Pallas interpret mode (the same kernel bodies, block sizes and
-masks); on a GPU backend they run compiled. The oracle is ``rms_norm_reference`` in
-float64 under ``jax.vjp``, on the same input values. A deviceless H100 compile checks
-that forward and backward are Triton kernels and that nothing else touches a full-size
-array.
+"""What is the Pallas-Triton kernels' own (``rmsnorm_jax/kernels/triton.py``): a partial
+last block of wide rows, the persistent backward's partial sums, ``fits``, the sizing, the
+argument errors, and a deviceless H100 compile (forward and backward are two Triton
+kernels, and nothing else touches a full-size array). Their numerics against the float64
+formula are ``test_backends.py``'s, as every backend's.
 """
 
 import re
@@ -13,7 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import aot_target, assert_close, to64, tol
+from helpers import (
+    aot_target,
+    assert_close,
+    check_kernel_outputs,
+    kernel_inputs,
+    kernel_oracle,
+    to64,
+    tol,
+)
 from helpers import kernel_spec as _spec
 from jax.sharding import PartitionSpec as P
 
@@ -21,36 +27,10 @@ from rmsnorm_jax import aot
 from rmsnorm_jax.kernels import triton, triton_sizing
 from rmsnorm_jax.reference import rms_norm_reference
 
+pytestmark = [pytest.mark.newest, pytest.mark.oldest]
+
 INTERPRET = jax.default_backend() != "gpu"
 EPS = 1e-5
-
-
-def _inputs(rows, n, dtype, seed=0, param_dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    x = (2.0 * jax.random.normal(keys[0], (rows, n))).astype(dtype)
-    scale = (1.0 + 0.3 * jax.random.normal(keys[1], (n,))).astype(param_dtype)
-    bias = (0.1 * jax.random.normal(keys[2], (n,))).astype(param_dtype)
-    dy = jax.random.normal(keys[3], (rows, n)).astype(dtype)
-    return x, scale, bias, dy
-
-
-def _oracle(spec, x, scale, bias, dy):
-    """Float64 y, stat and (dx, dscale, dbias) of sum(y * dy), by autodiff."""
-    x, scale, bias, dy = to64((x, scale, bias, dy))
-    kw = dict(
-        eps=spec.eps,
-        k=spec.k,
-        scale_offset=spec.scale_offset,
-        eps_placement="inside" if spec.inside else "outside",
-    )
-
-    def f(x, scale, bias):
-        return rms_norm_reference(x, scale, bias=bias, **kw)
-
-    y, vjp = jax.vjp(f, x, scale, bias)
-    ms = jnp.mean(x[:, : spec.k] ** 2, axis=1)
-    stat = 1 / jnp.sqrt(ms + spec.eps) if spec.inside else jnp.sqrt(ms)
-    return y, stat, vjp(dy)
 
 
 def _run(spec, x, scale, bias, dy, **kw):
@@ -64,125 +44,12 @@ def _run(spec, x, scale, bias, dy, **kw):
     return y, stat, dx, dscale, dbias
 
 
-def _check(spec, dtype, x, scale, bias, dy, got):
-    y, stat, dx, dscale, dbias = got
-    assert (y.dtype, stat.dtype, dx.dtype) == (spec.out_dtype, jnp.float32, x.dtype)
-    assert y.shape == dx.shape == x.shape and stat.shape == x.shape[:1]
-    with jax.enable_x64(True):
-        y_o, stat_o, (dx_o, dscale_o, dbias_o) = _oracle(spec, x, scale, bias, dy)
-        t = tol(dtype)
-        assert_close(y, y_o, **t)
-        assert_close(stat, stat_o, **tol(jnp.float32))
-        assert_close(dx, dx_o, **t)
-        # The partial sums are float32 whatever the input dtype: float32 tolerances
-        # against the oracle on the same (rounded) inputs.
-        if spec.has_scale:
-            assert dscale.dtype == jnp.float32 and dscale.shape[1:] == (spec.n,)
-            assert_close(dscale.sum(0), dscale_o, **tol(jnp.float32))
-        else:
-            assert dscale is None
-        if spec.has_bias:
-            assert dbias.dtype == jnp.float32 and dbias.shape[1:] == (spec.n,)
-            assert_close(dbias.sum(0), dbias_o, **tol(jnp.float32))
-        else:
-            assert dbias is None
-
-
-# Features that are not powers of two (1000: 4 rows per block, 5120: padded to 8192) and a
-# small power of two (64: the whole call in one block); rows that leave the last block
-# partial.
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("rows, n", [(13, 1000), (3, 5120), (37, 64)])
-def test_forward_and_backward_match_the_float64_formula(dtype, rows, n):
-    spec = _spec(n, dtype)
-    x, scale, bias, dy = _inputs(rows, n, dtype)
-    assert rows % triton_sizing.default_block_rows(n, rows) or n == 5120
-    _check(spec, dtype, x, scale, bias, dy, _run(spec, x, scale, bias, dy))
-
-
 def test_a_partial_last_block_of_wide_rows():
     """n = 5120 with blocks of 2 rows over 5 rows: masked rows and padded columns."""
     spec = _spec(5120, jnp.bfloat16, offset=1.0)
-    x, scale, bias, dy = _inputs(5, 5120, jnp.bfloat16, seed=1)
+    x, scale, bias, dy = kernel_inputs(5, 5120, jnp.bfloat16, seed=1)
     got = _run(spec, x, scale, bias, dy, block_rows=2)
-    _check(spec, jnp.bfloat16, x, scale, bias, dy, got)
-
-
-@pytest.mark.parametrize("inside", [True, False])
-def test_partial_rms_norm_with_offset_and_both_placements(inside):
-    """pRMSNorm: k = 7 of n = 100 (p = 0.07), scale_offset = 1.0, no bias."""
-    spec = _spec(100, jnp.float32, k=7, inside=inside, offset=1.0, bias=False)
-    x, scale, bias, dy = _inputs(21, 100, jnp.float32, seed=2)
-    _check(spec, jnp.float32, x, scale, None, dy, _run(spec, x, scale, bias, dy))
-
-
-def test_no_scale_no_bias_and_float16_output_of_float32_input():
-    spec = _spec(256, jnp.float16, scale=False, bias=False)
-    x, _, _, dy = _inputs(9, 256, jnp.float32, seed=3)
-    _check(spec, jnp.float16, x, None, None, dy, _run(spec, x, None, None, dy))
-
-
-def test_an_all_zero_row_with_eps_outside():
-    """s = 0: y = bias, stat = 0, and dx = (scale + offset) * dy / eps (the cross term's
-    limit is 0; autodiff of sqrt gives nan there, so these are hand-computed)."""
-    spec = _spec(1000, jnp.float32, inside=False, offset=1.0)
-    x, scale, bias, dy = _inputs(6, 1000, jnp.float32, seed=4)
-    x = x.at[2].set(0.0)
-    y, stat, dx, dscale, dbias = _run(spec, x, scale, bias, dy)
-    f32 = tol(jnp.float32)
-    assert float(stat[2]) == 0.0
-    assert_close(y[2], bias, **f32)
-    assert_close(dx[2], (np.asarray(scale) + 1.0) * np.asarray(dy[2]) / EPS, **f32)
-    assert np.isfinite(np.asarray(dx)).all()
-    others = np.array([0, 1, 3, 4, 5])
-    with jax.enable_x64(True):
-        y_o, _, (dx_o, dscale_o, dbias_o) = _oracle(spec, x[others], scale, bias, dy[others])
-        assert_close(y[others], y_o, **f32)
-        assert_close(dx[others], dx_o, **f32)
-        # The zero row adds dy * 0 to the scale gradient and dy to the bias gradient.
-        assert_close(dscale.sum(0), dscale_o, **f32)
-        assert_close(dbias.sum(0), np.asarray(dbias_o) + np.asarray(dy[2], np.float64), **f32)
-
-
-@pytest.mark.parametrize("x_dtype, res_dtype, h_dtype", [
-    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
-    (jnp.bfloat16, jnp.float32, jnp.float32),
-])  # fmt: skip
-def test_residual_form(x_dtype, res_dtype, h_dtype):
-    """h = x + residual in h_dtype; y = norm(h); dx = dresidual = dnorm(h) + dh."""
-    rows, n = 11, 1000
-    spec = _spec(n, x_dtype, offset=1.0)
-    x, scale, bias, dy = _inputs(rows, n, x_dtype, seed=5)
-    residual, _, _, dh = _inputs(rows, n, res_dtype, seed=6)
-    y, stat, h = triton.forward(
-        spec, x, scale, bias, residual, h_dtype=h_dtype, interpret=INTERPRET
-    )
-    dx, dscale, dbias = triton.backward(
-        spec, h, dy, stat, scale, dh.astype(h_dtype), dx_dtype=h_dtype, interpret=INTERPRET
-    )
-    assert (h.dtype, dx.dtype) == (h_dtype, h_dtype)
-    h_expected = x.astype(h_dtype) + residual.astype(h_dtype)
-    np.testing.assert_array_equal(np.asarray(h, np.float64), np.asarray(h_expected, np.float64))
-    with jax.enable_x64(True):
-        kw = dict(eps=EPS, scale_offset=1.0)
-        # The oracle normalizes the h the kernel wrote (rounded to h_dtype), so h's own
-        # rounding is not counted twice.
-        h64, zero = to64((h, jnp.zeros((rows, n))))
-        dy64, dh64 = to64((dy, dh.astype(h_dtype)))
-        s64, b64 = to64((scale, bias))
-
-        def loss(x, residual, scale, bias):
-            hh = x + residual
-            y = rms_norm_reference(hh, scale, bias=bias, **kw)
-            return jnp.sum(y * dy64) + jnp.sum(hh * dh64)
-
-        y_o = rms_norm_reference(h64, s64, bias=b64, **kw)
-        dx_o, dres_o, dscale_o, dbias_o = jax.grad(loss, argnums=(0, 1, 2, 3))(h64, zero, s64, b64)
-        assert_close(y, y_o, **tol(x_dtype))
-        assert_close(dx, dx_o, **tol(h_dtype))
-        np.testing.assert_array_equal(dx_o, dres_o)  # both inputs share one gradient
-        assert_close(dscale.sum(0), dscale_o, **tol(jnp.float32))
-        assert_close(dbias.sum(0), dbias_o, **tol(jnp.float32))
+    check_kernel_outputs(spec, jnp.bfloat16, x, scale, bias, dy, got)
 
 
 def test_persistent_backward_partials_hold_each_programs_rows():
@@ -191,7 +58,7 @@ def test_persistent_backward_partials_hold_each_programs_rows():
     would still give nan without the masks)."""
     rows, n = 13, 48
     spec = _spec(n, jnp.float32, eps=0.0, inside=False)
-    x, scale, bias, dy = _inputs(rows, n, jnp.float32, seed=7)
+    x, scale, bias, dy = kernel_inputs(rows, n, jnp.float32, seed=7)
     _, stat, _ = triton.forward(spec, x, scale, bias, interpret=INTERPRET, block_rows=1)
     dx, dscale, dbias = triton.backward(
         spec, x, dy, stat, scale, dx_dtype=jnp.float32, interpret=INTERPRET,
@@ -206,7 +73,7 @@ def test_persistent_backward_partials_hold_each_programs_rows():
             f32 = tol(jnp.float32)
             assert_close(dscale[program], (np.asarray(dy64) * xhat)[mine].sum(0), **f32)
             assert_close(dbias[program], np.asarray(dy64)[mine].sum(0), **f32)
-        _, _, (dx_o, _, _) = _oracle(spec, x, scale, bias, dy)
+        _, _, (dx_o, _, _) = kernel_oracle(spec, x, scale, bias, dy)
         assert_close(dx, dx_o, **tol(jnp.float32))
 
 
@@ -248,7 +115,7 @@ def test_block_sizes():
 
 def test_bad_arguments_name_the_argument_and_the_fix():
     spec = _spec(64, jnp.float32)
-    x, scale, bias, dy = _inputs(4, 64, jnp.float32)
+    x, scale, bias, dy = kernel_inputs(4, 64, jnp.float32)
     with pytest.raises(ValueError, match=r"x must have shape \(rows, 64\).*reshape"):
         triton.forward(spec, x.reshape(8, 32), scale, bias, interpret=True)
     with pytest.raises(ValueError, match=r"bias is None but spec\.has_bias"):

@@ -17,6 +17,8 @@ import pytest
 from rmsnorm_jax import integrations
 from rmsnorm_jax.integrations._patch import trained_like
 
+pytestmark = pytest.mark.clients
+
 eqx = pytest.importorskip("equinox", reason="equinox is not installed (.ci/clients.sh: 0.13.8)")
 
 F32, BF16 = jnp.float32, jnp.bfloat16

@@ -15,6 +15,8 @@ from jax.test_util import check_grads
 
 from rmsnorm_jax import partial_count, rms_norm
 
+pytestmark = pytest.mark.oldest
+
 
 def _inputs(shape, scale_shape, bias_shape, dtype, seed=0):
     kx, ks, kb, kc = jax.random.split(jax.random.key(seed), 4)
@@ -325,7 +327,7 @@ def test_grad_of_grad_and_hessian_match_oracle(x64):
 
 
 def test_forward_mode_against_the_plain_formula(x64):
-    """jvp of rms_norm is the plain formula's jvp (forward mode: tests/test_forward_mode.py)."""
+    """jvp of rms_norm is the plain formula's jvp (forward mode: tests/core/test_forward_mode.py)."""
     from rmsnorm_jax.reference import rms_norm_reference
 
     x = offset_normal((2, 5), jnp.float64)
