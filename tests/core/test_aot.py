@@ -24,6 +24,8 @@ from benchmarks import estimates, models, peers
 from rmsnorm_jax import aot, rms_norm
 from rmsnorm_jax._xla.per_compiler import row_groups, rows_per_group, two_stage_column_sum
 
+pytestmark = pytest.mark.newest
+
 ACCELERATORS = ("tpu-v5e", "tpu-v6e", "h100")
 
 
@@ -282,7 +284,7 @@ def test_modules_compile(target_name):
 # ---------------------------------------------------------------- memory in a train step
 
 
-@pytest.mark.parametrize("target_name", ["tpu-v5e", "h100"])
+@pytest.mark.parametrize("target_name", [pytest.param("tpu-v5e", marks=pytest.mark.heavy), "h100"])
 def test_train_step_temp_memory_against_flax(target_name):
     """In a compiled bfloat16 train step (17 norms: 8 blocks of two, and a final one),
     with each MLP of the benchmark, flax.linen.RMSNorm keeps about 6x bytes(x) per norm
@@ -326,6 +328,7 @@ def test_train_step_keeps_the_floor_and_one_float_per_row(mlp):
     assert ours - floor == 4 * tokens * (2 * layers + 1), (ours, floor)
 
 
+@pytest.mark.heavy
 def test_tpu_float32_layernorm_advantage_is_isolated_program_only():
     """In the isolated float32 forward+backward programs of the benchmark, XLA:TPU
     computes flax LayerNorm's y inside the backward's reduction kernel (possible only
