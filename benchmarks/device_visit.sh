@@ -3,9 +3,9 @@
 # root, with wheels/ (benchmarks/device_wheels.sh) carried:
 #   BENCHMARKS_COMMIT=$(git rev-parse --short HEAD) benchmarks/device_visit.sh "$OUT"
 # tokamax and its small dependencies installed beside the machine's jax (pip --no-index
-# --no-deps --target, on PYTHONPATH), then: `ops` (ours against tokamax and every peer),
-# the kernel tests on the GPU, `step`, `gemma`; each under its own timeout (about 9 minutes
-# in all at most), all output in OUT/log.txt, the reports in OUT/<device>-measured.md and
+# --no-deps --target, on PYTHONPATH), then: the kernel tests on the GPU, `ops` (ours against
+# tokamax and every peer), `step`, `gemma`; each under its own timeout (under 9 minutes
+# in all), all output in OUT/log.txt, the reports in OUT/<device>-measured.md and
 # .json, written through a link named RESULTS so that each records `--out RESULTS`.
 set -uo pipefail
 out=$(cd "${1:?usage: benchmarks/device_visit.sh OUT}" && pwd)
@@ -32,10 +32,10 @@ run() {  # run SECONDS COMMAND...: the command under a timeout, its output into 
       > "$site/xprof/cli/tools/get_kernel_stats_tool.py"
   fi
   $python -c "import jax, tokamax; print('jax', jax.__version__, 'tokamax', tokamax.__file__)"
-  run 210 $python -m benchmarks ops --rounds 3 --out RESULTS
-  tests=$(find tests -name test_kernels_gpu.py -o -name test_kernels_sweep.py \
-    -o -name test_residual_rounding.py -o -name test_implementation.py -o -name test_fused.py)
-  run 75 $python -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 $tests
+  # The kernel tests first: the only check of the kernels' real GPU lowering.
+  tests=$(find tests -name test_residual_rounding.py -o -name test_add_and_gated.py)
+  run 90 $python -m pytest -q -p no:benchmark -p no:cacheprovider -n 8 tests/kernels $tests
+  run 200 $python -m benchmarks ops --rounds 3 --out RESULTS
   run 100 $python -m benchmarks step --rounds 3 --out RESULTS
   run 130 $python -m benchmarks gemma --rounds 3 --out RESULTS
 } 2>&1 | tee "$log"
