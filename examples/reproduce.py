@@ -8,7 +8,7 @@ write them, with the command, commit, versions and machine, to ``examples/result
 Each run is the example's own command in a fresh process and a temporary workdir. A
 trained loss and a CPU time depend on the machine, the Python (its ``pydoc_data`` corpus
 differs between versions) and jax, so each file holds every run, and the docs quote the
-range over the committed files (``tests/test_doc_numbers.py`` reads them back). A
+range over the committed files (``tests/docs/test_doc_numbers.py`` reads them back). A
 deviceless compile depends only on the versions of jax and its compilers: one run.
 
 Writes ``examples/results/<what>-py<X.Y>-jax<version>.json`` (and the last run's plot

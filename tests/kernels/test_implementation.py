@@ -4,7 +4,7 @@ On CPU ``"pallas"`` runs the GPU kernels in Pallas interpret mode; every result 
 checked against the float64 oracle (the plain formula under ``jax.grad``). The dispatch
 (what fits the kernels, ``"auto"``), the row-local calls under sharded ``jit`` and
 ``shard_map``, ``vmap``, remat names and grad-of-grad are checked here;
-the kernels' own numerics in ``test_kernels_gpu.py`` and ``test_kernels_tpu.py``.
+the kernels' own numerics in ``test_backends.py``.
 """
 
 import contextlib

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = "benchmarks/results"
 EXAMPLE = "examples/results"
 ROWS_FROM = re.compile(r"^<!-- rows from (\S+) -->$")

@@ -19,7 +19,7 @@ from helpers import requires_deviceless
 import benchmarks.__main__ as cli
 from benchmarks import estimates, peers, report, timing
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SMOKE = "smoke run: not a measurement"
 
