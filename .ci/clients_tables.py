@@ -1,7 +1,8 @@
 """The client libraries' measured tables, as committed under docs/results/ (issue 33).
 
 ``tests``: the differences the client-library tests measure. ``.ci/clients.sh test`` runs
-tests/integrations/test_clients_{tunix,equinox,gemma}.py with ``$RMSNORM_JAX_CLIENT_RECORD`` set; each
+tests/integrations/test_clients_{tunix,equinox,gemma}.py with
+``$RMSNORM_JAX_CLIENT_RECORD`` set; each
 test appends its numbers there as a JSON line (the ``client_record`` fixture of
 tests/conftest.py)::
 

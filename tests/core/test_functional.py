@@ -327,7 +327,7 @@ def test_grad_of_grad_and_hessian_match_oracle(x64):
 
 
 def test_forward_mode_against_the_plain_formula(x64):
-    """jvp of rms_norm is the plain formula's jvp (forward mode: tests/core/test_forward_mode.py)."""
+    """jvp of rms_norm is the plain formula's jvp (forward mode: test_forward_mode.py)."""
     from rmsnorm_jax.reference import rms_norm_reference
 
     x = offset_normal((2, 5), jnp.float64)

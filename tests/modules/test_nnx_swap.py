@@ -1,7 +1,8 @@
 """The one-line NNX swap for models with their own zero-centred norm (issue 20).
 
 ``rmsnorm_jax.nnx.RMSNorm.gemma`` takes Gemma's argument names and its ``(1 + scale)``
-semantics (MaxText's own norm is ``x_hat * scale``: tests/integrations/test_integrations.py); the trap
+semantics (MaxText's own norm is ``x_hat * scale``:
+tests/integrations/test_integrations.py); the trap
 it avoids is a zero-centred scale read as ``x_hat * scale``. The oracle is each model's
 own formula, written here in float64.
 """
