@@ -34,6 +34,7 @@ backend's kernel body, so that the kernels and the XLA path compute the same for
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,101 @@ class KernelSpec:
     out_dtype: np.dtype
     platforms: tuple[str, ...] = ("cuda", "tpu", "cpu")
     gpu_backend: str | None = None
+
+
+# The dtypes every backend takes for its rows, parameters and outputs.
+KERNEL_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+# ---------------------------------------------------------------- the calls' arguments
+
+
+def check_dtype(name: str, dtype, kernels: str) -> np.dtype:
+    """``dtype`` as a NumPy dtype if ``kernels`` (e.g. "the Triton kernels") take it."""
+    if dtype is None or np.dtype(dtype) not in KERNEL_DTYPES:
+        raise TypeError(
+            f"{name} must be float32, bfloat16 or float16 for {kernels}, got {dtype} (use "
+            f"implementation='xla' for other dtypes)."
+        )
+    return np.dtype(dtype)
+
+
+def check_rows(name: str, a, spec: KernelSpec, kernels: str, rows: int | None = None) -> None:
+    """``a`` is ``(rows, spec.n)`` of a dtype the kernels take."""
+    if a.ndim != 2 or a.shape[1] != spec.n or (rows is not None and a.shape[0] != rows):
+        want = f"({'rows' if rows is None else rows}, {spec.n})"
+        raise ValueError(
+            f"{name} must have shape {want} (rows of spec.n = {spec.n} features), got "
+            f"{a.shape}; reshape it to (-1, {spec.n}) first."
+        )
+    check_dtype(name, a.dtype, kernels)
+
+
+def check_param(name: str, a, present: bool, spec: KernelSpec, kernels: str) -> None:
+    """``a`` (a scale or bias) is given exactly where ``spec`` says, ``(spec.n,)``."""
+    flag = f"spec.has_{name}"
+    if present and a is None:
+        raise ValueError(f"{name} is None but {flag} is True; pass the {name} or fix the spec.")
+    if not present and a is not None:
+        raise ValueError(f"{name} was given but {flag} is False; pass None or fix the spec.")
+    if a is not None:
+        if a.shape != (spec.n,):
+            raise ValueError(
+                f"{name} must have shape ({spec.n},), got {a.shape}; reshape it to ({spec.n},)."
+            )
+        check_dtype(name, a.dtype, kernels)
+
+
+def check_forward(spec: KernelSpec, x, scale, bias, residual, h_dtype, kernels: str):
+    """The forward's arguments checked: ``(rows, h_dtype or None, y's dtype)``."""
+    check_rows("x", x, spec, kernels)
+    rows = x.shape[0]
+    if residual is not None:
+        check_rows("residual", residual, spec, kernels, rows)
+        h_dtype = check_dtype("h_dtype", h_dtype, kernels)
+    check_param("scale", scale, spec.has_scale, spec, kernels)
+    check_param("bias", bias, spec.has_bias, spec, kernels)
+    return (
+        rows,
+        (h_dtype if residual is not None else None),
+        check_dtype("spec.out_dtype", spec.out_dtype, kernels),
+    )
+
+
+def check_backward(spec: KernelSpec, x, dy, stat, scale, dh, dx_dtype, kernels: str):
+    """The backward's arguments checked: ``(rows, dx's dtype)``."""
+    check_rows("x", x, spec, kernels)
+    rows = x.shape[0]
+    check_rows("dy", dy, spec, kernels, rows)
+    if dh is not None:
+        check_rows("dh", dh, spec, kernels, rows)
+    if stat.shape != (rows,):
+        raise ValueError(
+            f"stat must have shape ({rows},) (one float32 per row), got {stat.shape}; "
+            f"pass the forward's stat reshaped to ({rows},)."
+        )
+    check_param("scale", scale, spec.has_scale, spec, kernels)
+    return rows, check_dtype("dx_dtype", dx_dtype, kernels)
+
+
+def planned_fits(plan, spec: KernelSpec, rows: int, x_dtype, kind=None, **dtypes) -> bool:
+    """A backend's ``fits`` from its ``plan(spec, rows, x_dtype, kind, **dtypes)`` (None
+    where the call does not fit). With ``kind`` (``"forward"`` or ``"backward"``) and the
+    call's dtypes (``residual_dtype``, ``h_dtype``, ``dx_dtype``): whether that kernel
+    takes that call. Without: whether both kernels take every form of it, the residual
+    forms with float32 or bfloat16 residual, h and dx."""
+    if kind is not None:
+        return plan(spec, rows, x_dtype, kind, **dtypes) is not None
+    f32, bf16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+    forms: list[dict] = [{}] + [
+        dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
+        for r, h, d in itertools.product((f32, bf16), repeat=3)
+    ]
+    return all(
+        plan(spec, rows, x_dtype, k, **form) is not None
+        for k in ("forward", "backward")
+        for form in forms
+    )
 
 
 # Per-row maths on float32 blocks of shape (rows, n); ``col`` is the feature index of

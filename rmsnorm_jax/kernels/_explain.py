@@ -19,10 +19,9 @@ def _gpu_path(spec: KernelSpec, rows: int, dtype) -> str:
     name = spec.gpu_backend or gpu_backend()
     if name is None:
         return "XLA (this jax has no GPU kernels of ours)"
-    if name == "mosaic_gpu":
-        from . import mosaic_gpu as module
-    else:
-        from . import triton as module
+    from . import mosaic_gpu, triton
+
+    module = mosaic_gpu if name == "mosaic_gpu" else triton
     if module.fits(spec, rows, dtype):
         return _NAMES[name]
     return f"XLA (the row does not fit the {_NAMES[name]} kernels)"

@@ -46,19 +46,22 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._rounding import added
-from ._contract import KernelSpec, gain, inv_rms, normalized, out_struct, stat_from_ms
-from .mosaic_gpu_sizing import (
-    Plan,
+from ._contract import (
+    KernelSpec,
+    check_backward,
     check_dtype,
-    check_param,
-    check_rows,
-    fits,
-    grid_size,
-    plan,
-    plan_or_raise,
+    check_forward,
+    gain,
+    inv_rms,
+    normalized,
+    out_struct,
+    stat_from_ms,
 )
+from .mosaic_gpu_sizing import Plan, fits, grid_size, plan, plan_or_raise
 
 __all__ = ["available", "backward", "fits", "forward", "plan"]
+
+_KERNELS = "the Mosaic GPU kernels"
 
 _F32 = jnp.float32
 # plgpu.load(ref, *, layout, optimized) since jax 0.11 (0.10 also took an index): typed
@@ -417,14 +420,7 @@ def forward(
     on the CPU. y (rows, n) is in
     ``spec.out_dtype``, stat (rows,) float32, h (with ``residual``) in ``h_dtype``.
     """
-    check_rows("x", x, spec)
-    rows = x.shape[0]
-    if residual is not None:
-        check_rows("residual", residual, spec, rows)
-        h_dtype = check_dtype("h_dtype", h_dtype)
-    check_param("scale", scale, spec.has_scale, spec)
-    check_param("bias", bias, spec.has_bias, spec)
-    y_dtype = check_dtype("spec.out_dtype", spec.out_dtype)
+    rows, h_dtype, y_dtype = check_forward(spec, x, scale, bias, residual, h_dtype, _KERNELS)
     res_dtype = None if residual is None else residual.dtype
     p = plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
     programs = grid_size(p, rows, programs)
@@ -460,21 +456,10 @@ def backward(
     the partial sums are (P, n) float32, summed over disjoint sets of rows. ``programs``
     and ``interpret`` as in :func:`forward`.
     """
-    check_rows("x", x, spec)
-    rows = x.shape[0]
-    check_rows("dy", dy, spec, rows)
-    if dh is not None:
-        check_rows("dh", dh, spec, rows)
-    if stat.shape != (rows,):
-        raise ValueError(
-            f"stat must have shape ({rows},) (one float32 per row), got {stat.shape}; "
-            f"pass the forward's stat reshaped to ({rows},)."
-        )
-    check_param("scale", scale, spec.has_scale, spec)
-    dx_dtype = check_dtype("dx_dtype", dx_dtype)
+    rows, dx_dtype = check_backward(spec, x, dy, stat, scale, dh, dx_dtype, _KERNELS)
     dh_dtype = None if dh is None else dh.dtype
     # The plan sizes dy by spec.out_dtype (dy is y's cotangent): here by dy's own dtype.
-    dy_spec = dataclasses.replace(spec, out_dtype=check_dtype("dy", dy.dtype))
+    dy_spec = dataclasses.replace(spec, out_dtype=check_dtype("dy", dy.dtype, _KERNELS))
     p = plan_or_raise(
         dy_spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype
     )

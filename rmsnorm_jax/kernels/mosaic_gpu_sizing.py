@@ -29,19 +29,14 @@ to revisit.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 
-import jax.numpy as jnp
 import numpy as np
 
-from ._contract import KernelSpec
+from ._contract import KERNEL_DTYPES, KernelSpec, planned_fits
 
 __all__ = [
     "Plan",
-    "check_dtype",
-    "check_param",
-    "check_rows",
     "fits",
     "grid_size",
     "plan",
@@ -72,7 +67,6 @@ _MAX_TILE_FEATURES = 2048
 # another's arithmetic; more would cap registers below 128 a thread.
 _MAX_BLOCKS_PER_SM = 4
 _DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
-_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +182,7 @@ def plan(
     they do not take, a row whose features do not split into 16-byte TMA rows, or a
     block that does not fit shared memory)."""
     staged, outs = _row_dtypes(spec, x_dtype, kind, residual_dtype, h_dtype, dx_dtype)
-    if rows < 1 or any(d not in _DTYPES for d in (*staged, *outs)):
+    if rows < 1 or any(d not in KERNEL_DTYPES for d in (*staged, *outs)):
         return None
     if not 1 <= spec.k <= spec.n <= 256 * 256:
         return None
@@ -239,16 +233,7 @@ def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
     return None
 
 
-def fits(
-    spec: KernelSpec,
-    rows: int,
-    x_dtype,
-    *,
-    kind: str | None = None,
-    residual_dtype=None,
-    h_dtype=None,
-    dx_dtype=None,
-) -> bool:
+def fits(spec: KernelSpec, rows: int, x_dtype, **call) -> bool:
     """Whether the Mosaic GPU kernels take the call: float32, bfloat16 or float16 rows
     whose features split into TMA rows of 16-byte multiples (n a multiple of 8 with a
     16-bit operand, of 4 with float32 ones), at most 65536 features, and a block that fits
@@ -265,54 +250,10 @@ def fits(
     >>> fits(dataclasses.replace(spec, has_bias=False), 8, np.float32, kind="backward")
     True
     """
-    if kind is not None:
-        dtypes = dict(residual_dtype=residual_dtype, h_dtype=h_dtype, dx_dtype=dx_dtype)
-        return plan(spec, rows, x_dtype, kind, **dtypes) is not None
-    f32, bf16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
-    forms: list[dict] = [{}] + [
-        dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
-        for r, h, d in itertools.product((f32, bf16), repeat=3)
-    ]
-    return all(
-        plan(spec, rows, x_dtype, k, **form) is not None
-        for k in ("forward", "backward")
-        for form in forms
-    )
+    return planned_fits(plan, spec, rows, x_dtype, **call)
 
 
 # ---------------------------------------------------------------- the calls' arguments
-
-
-def check_rows(name: str, a, spec: KernelSpec, rows: int | None = None) -> None:
-    if a.ndim != 2 or a.shape[1] != spec.n or (rows is not None and a.shape[0] != rows):
-        want = f"({'rows' if rows is None else rows}, {spec.n})"
-        raise ValueError(
-            f"{name} must have shape {want} (rows of spec.n = {spec.n} features), got "
-            f"{a.shape}; reshape it to (-1, {spec.n}) first."
-        )
-    check_dtype(name, a.dtype)
-
-
-def check_dtype(name: str, dtype) -> np.dtype:
-    if dtype is None or np.dtype(dtype) not in _DTYPES:
-        raise TypeError(
-            f"{name} must be float32, bfloat16 or float16 for the Mosaic GPU kernels, got "
-            f"{dtype} (use implementation='xla' for other dtypes)."
-        )
-    return np.dtype(dtype)
-
-
-def check_param(name: str, a, present: bool, spec: KernelSpec) -> None:
-    flag = f"spec.has_{name}"
-    if present and a is None:
-        raise ValueError(f"{name} is None but {flag} is True; pass the {name} or fix the spec.")
-    if not present and a is not None:
-        raise ValueError(f"{name} was given but {flag} is False; pass None or fix the spec.")
-    if a is not None and (a.shape != (spec.n,) or np.dtype(a.dtype) not in _DTYPES):
-        raise ValueError(
-            f"{name} must have shape ({spec.n},) and dtype float32, bfloat16 or float16, "
-            f"got {a.shape} {a.dtype}; reshape or cast it."
-        )
 
 
 def plan_or_raise(spec, rows, x_dtype, kind, **dtypes) -> Plan:

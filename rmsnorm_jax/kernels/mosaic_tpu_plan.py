@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._contract import KernelSpec
+from ._contract import KernelSpec, planned_fits
 
 __all__ = ["GENERATIONS", "Generation", "Operand", "Plan", "fits", "generation", "plan"]
 
@@ -340,34 +339,10 @@ def backward_row_map(steps: int, blocks: int):
     return functools.partial(_backward_block, steps, blocks)
 
 
-def fits(
-    spec: KernelSpec,
-    rows: int,
-    x_dtype,
-    *,
-    kind: str | None = None,
-    residual_dtype=None,
-    h_dtype=None,
-    dx_dtype=None,
-) -> bool:
+def fits(spec: KernelSpec, rows: int, x_dtype, **call) -> bool:
     """Whether a block of one sublane tile of rows fits the VMEM of the generation being
-    compiled for (see the module doc); False for zero rows.
-
-    With ``kind`` (``"forward"`` or ``"backward"``) and the call's dtypes: whether that
-    kernel takes that call (what :func:`forward` and :func:`backward` need). Without:
-    whether both kernels take every form of it, the residual forms with float32 or
-    16-bit residual, h and dx included (a 16-bit operand makes the sublane tile 16 rows,
-    a float32 one makes each row wide: the two together are the tightest)."""
-    if kind is not None:
-        dtypes = dict(residual_dtype=residual_dtype, h_dtype=h_dtype, dx_dtype=dx_dtype)
-        return plan(spec, rows, x_dtype, kind, **dtypes) is not None
-    f32, bf16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
-    forms: list[dict] = [dict()] + [
-        dict(residual_dtype=r, h_dtype=h, dx_dtype=d)
-        for r, h, d in itertools.product((f32, bf16), repeat=3)
-    ]
-    return all(
-        plan(spec, rows, x_dtype, k, **form) is not None
-        for k in ("forward", "backward")
-        for form in forms
-    )
+    compiled for (see the module doc); False for zero rows. ``call``: ``kind`` and the
+    call's dtypes, as :func:`_contract.planned_fits` reads them (without a kind: every
+    form; a 16-bit operand makes the sublane tile 16 rows, a float32 one each row wide:
+    the two together are the tightest)."""
+    return planned_fits(plan, spec, rows, x_dtype, **call)

@@ -58,7 +58,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from .._rounding import added
 from ._contract import (
+    KERNEL_DTYPES,
     KernelSpec,
+    check_backward,
+    check_forward,
     input_grad,
     inv_rms,
     mean_square,
@@ -78,7 +81,7 @@ from .triton_sizing import (
 __all__ = ["backward", "fits", "forward"]
 
 _F32 = jnp.float32
-_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_KERNELS = "the Triton kernels"
 
 
 def fits(spec: KernelSpec, rows: int, x_dtype, **call_dtypes) -> bool:
@@ -95,49 +98,11 @@ def fits(spec: KernelSpec, rows: int, x_dtype, **call_dtypes) -> bool:
     False
     """
     return (
-        np.dtype(x_dtype) in _DTYPES
-        and np.dtype(spec.out_dtype) in _DTYPES
+        np.dtype(x_dtype) in KERNEL_DTYPES
+        and np.dtype(spec.out_dtype) in KERNEL_DTYPES
         and 1 <= spec.k <= spec.n <= MAX_FEATURES
         and 1 <= rows < 2**31
     )
-
-
-# ---------------------------------------------------------------- argument checks
-
-
-def _check_rows(name: str, a, spec: KernelSpec, rows: int | None = None) -> None:
-    if a.ndim != 2 or a.shape[1] != spec.n or (rows is not None and a.shape[0] != rows):
-        want = f"({'rows' if rows is None else rows}, {spec.n})"
-        raise ValueError(
-            f"{name} must have shape {want} (rows of spec.n = {spec.n} features), got "
-            f"{a.shape}; reshape it to (-1, {spec.n}) first."
-        )
-    if np.dtype(a.dtype) not in _DTYPES:
-        raise TypeError(
-            f"{name} has dtype {a.dtype}; the GPU kernels take float32, bfloat16 or "
-            f"float16 (use implementation='xla' for other dtypes)."
-        )
-
-
-def _check_param(name: str, a, present: bool, spec: KernelSpec) -> None:
-    flag = f"spec.has_{name}"
-    if present and a is None:
-        raise ValueError(f"{name} is None but {flag} is True; pass the {name} or fix the spec.")
-    if not present and a is not None:
-        raise ValueError(f"{name} was given but {flag} is False; pass None or fix the spec.")
-    if a is not None and a.shape != (spec.n,):
-        raise ValueError(
-            f"{name} must have shape ({spec.n},), got {a.shape}; reshape it to ({spec.n},)."
-        )
-
-
-def _check_out_dtype(name: str, dtype) -> np.dtype:
-    if dtype is None or np.dtype(dtype) not in _DTYPES:
-        raise TypeError(
-            f"{name} must be float32, bfloat16 or float16 for the GPU kernels, got {dtype} "
-            f"(use implementation='xla' for other dtypes)."
-        )
-    return np.dtype(dtype)
 
 
 # ---------------------------------------------------------------- kernel bodies
@@ -284,14 +249,7 @@ def forward(
       y (rows, n) in ``spec.out_dtype``; stat (rows,) float32, rsqrt(ms + eps) for
       "inside" or sqrt(ms) for "outside"; h (rows, n) in ``h_dtype``, or None.
     """
-    _check_rows("x", x, spec)
-    rows = x.shape[0]
-    if residual is not None:
-        _check_rows("residual", residual, spec, rows)
-        h_dtype = _check_out_dtype("h_dtype", h_dtype)
-    _check_param("scale", scale, spec.has_scale, spec)
-    _check_param("bias", bias, spec.has_bias, spec)
-    out_dtype = _check_out_dtype("spec.out_dtype", spec.out_dtype)
+    rows, h_dtype, out_dtype = check_forward(spec, x, scale, bias, residual, h_dtype, _KERNELS)
     npad, rows_per_block = block_sizes(spec.n, rows, block_rows, interpret)
 
     inputs = [a for a in (x, residual, scale, bias) if a is not None]
@@ -356,18 +314,7 @@ def backward(
       float32, the sums of dy * xhat and of dy over each program's rows (None where
       ``spec`` has no scale / bias); their sum over axis 0 is the gradient.
     """
-    _check_rows("x", x, spec)
-    rows = x.shape[0]
-    _check_rows("dy", dy, spec, rows)
-    if dh is not None:
-        _check_rows("dh", dh, spec, rows)
-    if stat.shape != (rows,):
-        raise ValueError(
-            f"stat must have shape ({rows},) (one float32 per row), got {stat.shape}; "
-            f"pass the forward's stat reshaped to ({rows},)."
-        )
-    _check_param("scale", scale, spec.has_scale, spec)
-    dx_dtype = _check_out_dtype("dx_dtype", dx_dtype)
+    rows, dx_dtype = check_backward(spec, x, dy, stat, scale, dh, dx_dtype, _KERNELS)
     npad, rows_per_block = block_sizes(spec.n, rows, block_rows, interpret)
     blocks = pl.cdiv(rows, rows_per_block)
     if programs is None:

@@ -79,6 +79,7 @@ def test_wide_rows_staged_forward_and_streamed_backward():
     check_kernel_outputs(spec, jnp.float32, x, scale, bias, dy, got)
 
 
+@pytest.mark.parametrize("n, rows, programs", [(2048, 13, 3), (4096, 5, 2)])
 def test_persistent_backward_partials_hold_each_programs_rows(n, rows, programs):
     """Program p walks row blocks p, p + programs, ... (both staging slots, a partial
     last block of 4 rows at 2048 features) and writes the sums of its rows only; eps = 0
