@@ -144,3 +144,23 @@ def test_blocks_not_run_are_reported():
             skipped.append(f"{_name(page)}:{line} ({reason})")
     if skipped:
         pytest.skip(f"python blocks not run: {'; '.join(skipped)}")
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:tmp|work|root|home|Users|opt|mnt|var|usr)/")
+
+
+PAGES_AND_NOTEBOOK = [
+    "README.md",
+    "CHANGELOG.md",
+    *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+    "notebooks/rmsnorm_tour.ipynb",
+]
+
+
+@pytest.mark.parametrize("path", PAGES_AND_NOTEBOOK)
+def test_no_page_names_a_folder_of_the_machine_that_wrote_it(path):
+    """The docs, and the notebook's stored outputs, say which Python and jax, never a
+    folder of one machine (the results files: tests/bench/test_bench.py)."""
+    text = (ROOT / path).read_text()
+    found = MACHINE_PATH.search(text)
+    assert not found, f"{path}: {text[max(0, found.start() - 60) : found.end() + 40]!r}"
