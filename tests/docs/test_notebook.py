@@ -17,6 +17,15 @@ def test_tour_notebook_executes_anywhere_and_writes_only_to_a_temporary_director
     elsewhere.mkdir()
     temp.mkdir()
     notebooks_before = sorted(path.parent.iterdir())
+    # A cell of the test's own, after the one that makes the scratch folder, reports where it is
+    # (the notebook prints no path, so that its stored outputs name no machine's folder).
+    setup = next(i for i, c in enumerate(nb.cells) if "TemporaryDirectory(" in c.source)
+    nb.cells.insert(
+        setup + 1,
+        nbformat.v4.new_code_cell(
+            "import os as _os\nprint('scratch:', _os.path.relpath(SCRATCH, _os.environ['TMPDIR']))"
+        ),
+    )
     # A fresh kernel: the notebook sets its own JAX_PLATFORMS and XLA_FLAGS before jax.
     NotebookClient(
         nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(elsewhere)}}
@@ -44,7 +53,10 @@ def test_tour_notebook_executes_anywhere_and_writes_only_to_a_temporary_director
         if o.get("name") == "stdout"
     )
     # Its files went under tempfile's directory, and its last cell removed them.
-    assert f"files go to: {temp}{os.sep}rmsnorm_tour_" in printed
+    scratch = [line for line in printed.splitlines() if line.startswith("scratch: ")]
+    assert len(scratch) == 1 and scratch[0].startswith("scratch: rmsnorm_tour_"), scratch
+    assert os.sep not in scratch[0]  # directly under TMPDIR, not in a folder above or beside it
+    assert "the temporary folder deleted: True" in printed
     assert list(temp.iterdir()) == []
     assert list(elsewhere.iterdir()) == []
     assert sorted(path.parent.iterdir()) == notebooks_before
