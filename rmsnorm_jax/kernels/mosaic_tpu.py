@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -29,6 +28,8 @@ from jax.experimental.pallas import tpu as pltpu
 from .._rounding import added
 from ._contract import (
     KernelSpec,
+    check_backward,
+    check_forward,
     input_grad,
     inv_rms,
     mean_square,
@@ -39,6 +40,8 @@ from ._contract import (
 from .mosaic_tpu_plan import LANES, PARTIAL_ROWS, Plan, backward_row_map, fits, plan
 
 __all__ = ["backward", "fits", "forward"]
+
+_KERNELS = "the Mosaic TPU kernels"
 
 
 def _pallas_call(body, p: Plan, specs, semantics, interpret: bool, kind: str):
@@ -71,16 +74,16 @@ def _col(shape) -> jax.Array:
 
 
 def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, interpret=False):
-    """One pass: ``(y, stat, h)`` of ``x`` (rows, n) as ``_spec.py`` documents.
+    """One pass: ``(y, stat, h)`` of ``x`` (rows, n), the contract of ``_contract.py``.
 
     y = (scale + scale_offset) * h * r + bias in spec.out_dtype, h = x (or x + residual
     in h_dtype), r = 1 / RMS of the first spec.k features, computed in float32;
     stat: (rows,) float32, rsqrt(ms + eps) ("inside") or sqrt(ms) ("outside").
     ``interpret=True`` runs the kernel on CPU (Pallas TPU interpret mode).
     """
-    rows, n = x.shape
+    rows, h_dtype, _ = check_forward(spec, x, scale, bias, residual, h_dtype, _KERNELS)
+    n = spec.n
     residual_dtype = None if residual is None else residual.dtype
-    h_dtype = None if residual is None else np.dtype(h_dtype or x.dtype)
     p = plan(spec, rows, x.dtype, "forward", residual_dtype=residual_dtype, h_dtype=h_dtype)
     if p is None:
         raise ValueError(
@@ -100,7 +103,7 @@ def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, in
         if with_residual:
             # Mosaic rounds h to h_dtype before it is widened again; interpret mode runs
             # this body as XLA ops, which may keep float32 values (excess precision):
-            # ``added`` keeps the roundings there (_rounding.py).
+            # ``added`` keeps the roundings there (``rmsnorm_jax/_rounding.py``).
             h = added(x_ref[...], res_ref[...], h_dtype, keep=interpret)
             refs.pop(0)[...] = h
             xf = h.astype(jnp.float32)
@@ -136,14 +139,15 @@ def forward(spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, in
 
 
 def backward(spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpret=False):
-    """One pass: ``(dx, dscale_partials, dbias_partials)`` as ``_spec.py`` documents.
+    """One pass: ``(dx, dscale_partials, dbias_partials)``, the contract of ``_contract.py``.
 
     dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j x_j r (+ dh), in
     dx_dtype, with gdy = (scale + offset) * dy (``_spec.input_grad``); the partials are
     float32 (8 * slots, n) sums of dy * x * r and of dy over the rows (sum them over
     axis 0). ``interpret=True`` runs the kernel on CPU (Pallas TPU interpret mode).
     """
-    rows, n = x.shape
+    rows, dx_dtype = check_backward(spec, x, dy, stat, scale, dh, dx_dtype, _KERNELS)
+    n = spec.n
     residual_dtype = None if dh is None else dh.dtype
     p = plan(spec, rows, x.dtype, "backward", residual_dtype=residual_dtype, dx_dtype=dx_dtype)
     if p is None:

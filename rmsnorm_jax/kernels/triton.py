@@ -232,7 +232,7 @@ def forward(
     block_rows: int | None = None,
     warps: int | None = None,
 ):
-    """One pass: ``(y, stat, h)`` of rows ``x`` (``_spec.py``'s contract).
+    """One pass: ``(y, stat, h)`` of rows ``x`` (the contract of ``_contract.py``).
 
     Arguments:
       spec: the static description of the call (n, k, eps, placement, offset, dtypes).
@@ -293,7 +293,7 @@ def backward(
     programs: int | None = None,
     warps: int | None = None,
 ):
-    """One pass: ``(dx, dscale_partials, dbias_partials)`` (``_spec.py``'s contract).
+    """One pass: ``(dx, dscale_partials, dbias_partials)`` (the contract of ``_contract.py``).
 
     ``dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j x_j r`` with
     ``gdy = (scale + offset) * dy`` (``_spec.input_grad``), plus ``dh`` when given.

@@ -168,3 +168,28 @@ def test_residual_form(backend, x_dtype, res_dtype, h_dtype, n):
         assert_close(dscale.sum(0), dscale_o, **tol(jnp.float32))
         if spec.has_bias:
             assert_close(dbias.sum(0), dbias_o, **tol(jnp.float32))
+
+
+def test_bad_arguments_name_the_argument_and_the_fix(backend):
+    """The contract's checks (``_contract.check_forward``/``check_backward``), the same in
+    every backend: each names the argument, what it got and the fix, before any kernel."""
+    module, interpret = backend
+    spec = _spec(64, jnp.float32)
+    x, scale, bias, dy = kernel_inputs(4, 64, jnp.float32)
+    with pytest.raises(ValueError, match=r"x must have shape \(rows, 64\).*reshape"):
+        module.forward(spec, x.reshape(8, 32), scale, bias, interpret=interpret)
+    with pytest.raises(ValueError, match=r"bias is None but spec\.has_bias"):
+        module.forward(spec, x, scale, None, interpret=interpret)
+    with pytest.raises(ValueError, match=r"residual must have shape \(4, 64\)"):
+        module.forward(spec, x, scale, bias, x[:2], h_dtype=jnp.float32, interpret=interpret)
+    with pytest.raises(TypeError, match=r"h_dtype must be float32.*implementation='xla'"):
+        module.forward(spec, x, scale, bias, x, interpret=interpret)
+    with pytest.raises(TypeError, match=r"x must be float32, bfloat16 or float16.*'xla'"):
+        module.forward(spec, x.astype(jnp.int32), scale, bias, interpret=interpret)
+    stat = jnp.ones((4,))
+    with pytest.raises(ValueError, match=r"stat must have shape \(4,\)"):
+        module.backward(spec, x, dy, stat[:2], scale, dx_dtype=jnp.float32, interpret=interpret)
+    with pytest.raises(ValueError, match=r"dy must have shape \(4, 64\)"):
+        module.backward(spec, x, dy[:3], stat, scale, dx_dtype=jnp.float32, interpret=interpret)
+    with pytest.raises(TypeError, match=r"dx_dtype must be float32"):
+        module.backward(spec, x, dy, stat, scale, dx_dtype=jnp.int8, interpret=interpret)
