@@ -12,6 +12,7 @@ before or after the patch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -298,6 +299,14 @@ def _probe(library: str, function: str, swap: Swap, method: Callable, whose: str
 _VERIFIED: set[tuple] = set()
 
 
+def _maker_key(make) -> tuple:
+    """What names a replacement maker across calls: a function's module and qualified name,
+    and a ``functools.partial``'s function with its arguments (a new partial each call)."""
+    if isinstance(make, functools.partial):
+        return (_maker_key(make.func), make.args, tuple(sorted(make.keywords.items())))
+    return (make.__module__, make.__qualname__)
+
+
 def apply(library: str, function: str, swaps: Sequence[Swap], implementation: str) -> Patch:
     """Checks every swap on its probe, then installs them all; a :class:`Patch`.
 
@@ -311,7 +320,7 @@ def apply(library: str, function: str, swaps: Sequence[Swap], implementation: st
         original = own_call(swap.cls, library)
         replacement = swap.make(original, implementation, reach.counter(target_name(swap.cls)))
         planned.append((swap.cls, original, replacement))
-        key = (swap.cls, original, swap.make.__module__, swap.make.__qualname__, implementation)
+        key = (swap.cls, original, _maker_key(swap.make), implementation)
         if key in _VERIFIED:
             continue
         theirs = _probe(library, function, swap, original, f"{library}'s own __call__")
