@@ -249,6 +249,10 @@ def _oracle(op, transform):
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_matches_the_float64_oracle(implementation, op, transform):
+    if implementation == "auto" and jax.default_backend() == "cpu" and transform != "jit":
+        # "auto" takes the XLA path on a CPU (MEASURED holds no CPU win; test_implementation
+        # checks the choice): the [xla-...] case is this computation. Its jit case stays.
+        pytest.skip("'auto' is the XLA path on a CPU: the [xla-...] case runs it")
     args, cts, tangents = _inputs()
     got = TRANSFORMS[transform](OPS[op](implementation), args, cts, tangents)
     want = _oracle(op, transform)
