@@ -142,7 +142,7 @@ def backward(spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpr
     """One pass: ``(dx, dscale_partials, dbias_partials)``, the contract of ``_contract.py``.
 
     dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j x_j r (+ dh), in
-    dx_dtype, with gdy = (scale + offset) * dy (``_spec.input_grad``); the partials are
+    dx_dtype, with gdy = (scale + offset) * dy (``_contract.input_grad``); the partials are
     float32 (8 * slots, n) sums of dy * x * r and of dy over the rows (sum them over
     axis 0). ``interpret=True`` runs the kernel on CPU (Pallas TPU interpret mode).
     """

@@ -296,7 +296,7 @@ def backward(
     """One pass: ``(dx, dscale_partials, dbias_partials)`` (the contract of ``_contract.py``).
 
     ``dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j x_j r`` with
-    ``gdy = (scale + offset) * dy`` (``_spec.input_grad``), plus ``dh`` when given.
+    ``gdy = (scale + offset) * dy`` (``_contract.input_grad``), plus ``dh`` when given.
 
     Arguments:
       spec: the static description of the call.

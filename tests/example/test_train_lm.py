@@ -414,9 +414,12 @@ def test_compile_for_a_pod_without_training(
     # The command's one compile, its report kept (a second compile would double minutes).
     reports = []
     compile_for = lm.compile_for.compile_for
-    monkeypatch.setattr(
-        lm.compile_for, "compile_for", lambda *a: reports.append(compile_for(*a)) or reports[-1]
-    )
+
+    def recorded(*args):
+        reports.append(compile_for(*args))
+        return reports[-1]
+
+    monkeypatch.setattr(lm.compile_for, "compile_for", recorded)
     workdir = tmp_path / "w"
     argv = ["--compile-for", target, "--mesh", mesh, "--workdir", str(workdir)]
     assert train_lm.main(argv) == 0
