@@ -28,8 +28,9 @@ stops the others within seconds, naming the checkpoint and the ``--resume`` comm
 
 This file is the command line; the parts are in ``lm/``: ``config.py`` (the run's
 Config), ``data.py`` (the input pipeline), ``model.py``, ``train.py`` (the train step and
-``train_and_evaluate``), ``checkpoint.py`` (the workdir and orbax), ``distributed.py``
-(several processes), ``report.py`` (plots, the comparison) and ``compile_for.py``.
+``train_and_evaluate``), ``workdir.py`` (the workdir's files and checks),
+``checkpoint.py`` (orbax), ``distributed.py`` (several processes), ``report.py`` (plots,
+the comparison) and ``compile_for.py``.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
-from lm import checkpoint, distributed, train
+from lm import distributed, train
+from lm.checkpoint import checkpoint_steps
 from lm.config import NORMS, Config
+from lm.workdir import newest_complete, run_files, steps_in_words
 
 
 def _mesh_arg(text: str) -> tuple[int, int]:
@@ -224,8 +227,8 @@ def _print_files(workdir: Path) -> None:
     """The closing lines: where the run's files are."""
     if jax.process_index() != 0:
         return
-    files = checkpoint.run_files(workdir)
-    steps = checkpoint.steps_in_words(checkpoint.checkpoint_steps(workdir))
+    files = run_files(workdir)
+    steps = steps_in_words(checkpoint_steps(workdir))
     print(f"checkpoints: {files['checkpoints']} ({steps}; --resume continues the latest)")
     print(f"config:      {files['config']}")
     print(f"metrics:     {files['metrics']}")
@@ -280,7 +283,7 @@ def stop_lost(lost: list[int], args: argparse.Namespace) -> NoReturn:
     workdirs = [Path(args.workdir)]
     if args.compare:
         workdirs = [Path(args.workdir) / norm for norm in NORMS]
-    workdir, newest = checkpoint.newest_complete(workdirs)
+    workdir, newest = newest_complete(workdirs)
     each = " (each with its own --process-id)" if args.process_id is not None else ""
     distributed.stop(
         [

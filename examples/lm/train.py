@@ -23,6 +23,7 @@ from . import checkpoint, data, report
 from .config import NORMS, Config, schedule_of
 from .distributed import decided_by_process_0, say
 from .model import LOGICAL_RULES, TransformerLM
+from .workdir import plan_run, prepare_workdir, run_files
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
@@ -202,7 +203,7 @@ def _restore_or_init(
     cfg: Config, trainer: Trainer, checkpoints, latest: int | None, resume: bool, workdir: Path
 ) -> tuple[dict, dict | None]:
     """The state to start from, and the metrics saved with it (None when from step 0)."""
-    files = checkpoint.run_files(workdir)
+    files = run_files(workdir)
     if latest is None:
         if resume:
             say(f"--resume: no checkpoint in {files['checkpoints']} yet; training from step 0")
@@ -266,17 +267,15 @@ def train_and_evaluate(
 
     A workdir that already holds a run is refused unless ``resume`` (continue from its
     latest checkpoint, printing "resumed from step N"; the config must match, see
-    ``checkpoint.plan_run``, where ``given`` is explained) or ``overwrite`` (remove the old
-    run's files, ``checkpoint.run_files``, and start afresh). Resuming a run already at
+    ``plan_run`` in workdir.py, where ``given`` is explained) or ``overwrite`` (remove the
+    old run's files, ``run_files``, and start afresh). Resuming a run already at
     ``cfg.steps`` or beyond trains nothing, says so, and changes no file.
 
     Returns the metrics dict (also written to ``<workdir>/metrics.json``); its
     ``steps_trained`` is the number of steps this call trained.
     """
     workdir = Path(workdir)
-    cfg, latest = checkpoint.prepare_workdir(
-        cfg, workdir, resume, overwrite, given, check=check_runnable
-    )
+    cfg, latest = prepare_workdir(cfg, workdir, resume, overwrite, given, check=check_runnable)
     train_tokens, val_tokens = data.split_tokens(data.load_corpus(cfg.data), cfg)
     metrics = _new_metrics(cfg, train_tokens)
     if latest is not None and latest >= cfg.steps:
@@ -299,7 +298,7 @@ def train_and_evaluate(
     metrics["final_eval_loss"] = metrics["eval"][-1]["loss"] if metrics["eval"] else None
     metrics["wall_time"] = elapsed
     if jax.process_index() == 0:  # one writer when the run spans several hosts
-        files = checkpoint.run_files(workdir)
+        files = run_files(workdir)
         files["metrics"].write_text(json.dumps(metrics, indent=1))
         report.plot_losses({cfg.norm: metrics}, files["plot"])
     return metrics
@@ -316,7 +315,7 @@ def compare(
     def check_all() -> None:  # refuse before training any of them
         for norm in NORMS:
             norm_cfg = dataclasses.replace(cfg, norm=norm)
-            checkpoint.plan_run(norm_cfg, workdir / norm, resume, overwrite, given)
+            plan_run(norm_cfg, workdir / norm, resume, overwrite, given)
 
     decided_by_process_0(check_all)
     runs = {

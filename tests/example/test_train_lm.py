@@ -211,11 +211,9 @@ def test_resume_keeps_the_saved_schedule(train_lm, lm, first_run):
     """--steps moves where a resumed run stops; its learning-rate schedule stays the one
     it started with, so an extended run does not restart its warmup and decay."""
     workdir = first_run[0]
-    resumed = lm.checkpoint.plan_run(
-        _tiny(train_lm, steps=30), workdir, resume=True, overwrite=False
-    )
+    resumed = lm.workdir.plan_run(_tiny(train_lm, steps=30), workdir, resume=True, overwrite=False)
     assert (resumed.steps, resumed.schedule_steps, resumed.warmup_steps) == (30, 12, 1)
-    fresh = lm.checkpoint.plan_run(_tiny(train_lm, steps=30), workdir, resume=False, overwrite=True)
+    fresh = lm.workdir.plan_run(_tiny(train_lm, steps=30), workdir, resume=False, overwrite=True)
     assert (fresh.steps, fresh.schedule_steps, fresh.warmup_steps) == (30, 30, 3)
 
 
@@ -532,7 +530,7 @@ def test_a_start_that_failed_before_its_first_checkpoint_does_not_block_a_retry(
     with pytest.raises(RuntimeError, match="the start fails here"):
         _run(train_lm, "--workdir", workdir)
     monkeypatch.setattr(lm.data, "batch_at", batch_at)
-    assert lm.checkpoint.previous_run(workdir) == ["config.json"]  # what the start left
+    assert lm.workdir.previous_run(workdir) == ["config.json"]  # what the start left
 
     # Another command is still refused: that config.json is not its run.
     before = _snapshot(workdir)
