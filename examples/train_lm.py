@@ -29,21 +29,18 @@ stops the others within seconds, naming the checkpoint and the ``--resume`` comm
 This file is the command line; the parts are in ``lm/``: ``config.py`` (the run's
 Config), ``data.py`` (the input pipeline), ``model.py``, ``train.py`` (the train step and
 ``train_and_evaluate``), ``workdir.py`` (the workdir's files and checks),
-``checkpoint.py`` (orbax), ``distributed.py`` (several processes), ``report.py`` (plots,
-the comparison) and ``compile_for.py``.
+``checkpoint.py`` (orbax), ``distributed.py`` (the launch of several processes),
+``lost_process.py`` (a lost process: the stop and the ``--resume`` command),
+``report.py`` (plots, the comparison) and ``compile_for.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import glob
 import os
-import shlex
 import sys
-import time
 from pathlib import Path
-from typing import NoReturn
 
 if "JAX_PLATFORMS" not in os.environ and (
     "--compile-for" in sys.argv
@@ -62,10 +59,10 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
-from lm import distributed, train
+from lm import distributed, lost_process, train
 from lm.checkpoint import checkpoint_steps
 from lm.config import NORMS, Config
-from lm.workdir import newest_complete, run_files, steps_in_words
+from lm.workdir import run_files, steps_in_words
 
 
 def _mesh_arg(text: str) -> tuple[int, int]:
@@ -258,56 +255,9 @@ def run(cfg: Config, args: argparse.Namespace) -> None:
     _print_files(workdir)
 
 
-def _as_typed(path: str) -> str:
-    """``path`` relative to the working directory when it lies below it."""
-    relative = os.path.relpath(path)
-    return path if relative.startswith("..") else relative
-
-
-def resume_command(args: argparse.Namespace) -> list[str]:
-    """The command that continues this run from its newest complete checkpoint on this
-    process: ``--resume`` takes every Config flag from the run's config.json."""
-    command = [_as_typed(sys.executable), _as_typed(__file__), "--resume"]
-    command += ["--workdir", args.workdir, *(["--compare"] if args.compare else [])]
-    command += ["--distributed"] if args.distributed else []
-    for name in distributed.DISTRIBUTED_ENV:
-        if getattr(args, name) is not None:
-            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return command
-
-
-def stop_lost(lost: list[int], args: argparse.Namespace) -> NoReturn:
-    """Stops this process, saying which process was lost, the newest complete checkpoint
-    and how to go on (called by the watch of ``distributed.watch_processes``)."""
-    lost_ones = f"process {lost[0]}" if len(lost) == 1 else f"processes {lost}"
-    workdirs = [Path(args.workdir)]
-    if args.compare:
-        workdirs = [Path(args.workdir) / norm for norm in NORMS]
-    workdir, newest = newest_complete(workdirs)
-    each = " (each with its own --process-id)" if args.process_id is not None else ""
-    distributed.stop(
-        [
-            f"error: lost {lost_ones} of {jax.process_count()}: no sign of life on jax's "
-            f"coordination service for {distributed.LOST_AFTER_S:.0f} s. Process "
-            f"{jax.process_index()} stops.",
-            f"newest complete checkpoint: {newest}"
-            if newest
-            else f"no complete checkpoint in {workdir} yet: --resume starts from step 0",
-            f"to go on, start every process again with --resume{each}; this one:",
-            "  " + shlex.join(resume_command(args)),
-        ]
-    )
-
-
-def _wait_for_the_watch(watch: distributed.Watch | None) -> None:
-    """After an error on a run of several processes: gives the watch the time to find a
-    lost process (it then stops this one) before the error is reported."""
-    if watch is not None and not watch.done.is_set():
-        if watch.lost.wait(distributed.LOST_AFTER_S + 10 * distributed.TICK_S):
-            time.sleep(60)  # while the watch prints the stop and ends this process
-
-
 def main(argv: list[str] | None = None) -> int:
+    """The command: exit code 0, or 2 and a message for a command that cannot run (a lost
+    process ends this one meanwhile with ``lost_process.EXIT_LOST``)."""
     cfg, args = parse_args(argv)
     try:
         if args.compile_for:
@@ -319,23 +269,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    watch = None
     if options is not None:
         distributed.initialize(options)
-        watch = distributed.watch_processes(functools.partial(stop_lost, args=args))
     try:
-        run(cfg, args)
-        distributed.finish(watch)
-    except distributed.Refused as err:  # decided by process 0, the same on every process
+        # On several processes, a lost one stops this one: lm/lost_process.py.
+        with lost_process.watched(args, script=__file__):
+            run(cfg, args)
+    except ValueError as err:  # a refusal, or a value this run cannot take
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except ValueError as err:
-        _wait_for_the_watch(watch)
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except Exception:
-        _wait_for_the_watch(watch)
-        raise
     return 0
 
 

@@ -1,21 +1,17 @@
-"""Several processes (multi-host): the launch, decisions taken by process 0, a lost process.
+"""Several processes (multi-host): the launch, and the decisions taken by process 0.
 
 Every process runs the same program over one global mesh; process 0 alone checks and
-writes the workdir and prints. A process that dies stops the others within seconds
-(``watch_processes``; docs/multihost.md, "When a host is lost").
+writes the workdir and prints. A process that dies stops the others within seconds:
+``lost_process.py`` (docs/multihost.md, "When a host is lost").
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
-import sys
-import threading
-import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import numpy as np
@@ -154,18 +150,13 @@ def decided_by_process_0(decide: Callable[[], Any]) -> Any:
     return received["answer"]
 
 
-# When a process is lost (docs/multihost.md, "When a host is lost"). Each process writes a
-# counter to jax's coordination service every TICK_S; a process whose counter has not
-# moved for LOST_AFTER_S is lost, and the others stop (EXIT_LOST). jax's own heartbeat
-# check ends the survivors with an abort and a C++ stack HEARTBEAT_TIMEOUT_S after the loss
-# (jax's default: 100 s), so the watch must decide well before; SHUTDOWN_TIMEOUT_S bounds
-# jax's wait for every process at exit (jax's default: 300 s).
-TICK_S = 1.0
-LOST_AFTER_S = 10.0
+# jax's own checks of the other processes, shortened. jax's heartbeat ends the survivors of
+# a lost process with an abort and a C++ stack HEARTBEAT_TIMEOUT_S after the loss (jax's
+# default: 100 s), so lost_process.py's watch must decide well before (it does after its
+# LOST_AFTER_S, 10 s); SHUTDOWN_TIMEOUT_S bounds jax's wait for every process at exit
+# (jax's default: 300 s).
 HEARTBEAT_TIMEOUT_S = 30
 SHUTDOWN_TIMEOUT_S = 30
-EXIT_LOST = 75  # EX_TEMPFAIL: a temporary failure; run again (with --resume)
-_ALIVE = "train_lm/alive/"
 
 
 def initialize(options: dict[str, Any]) -> None:
@@ -175,82 +166,3 @@ def initialize(options: dict[str, Any]) -> None:
         heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
     )
-
-
-def _client():
-    """jax's client of the coordination service (the one orbax and multihost_utils use),
-    or None when this jax has none where expected."""
-    from jax._src import distributed as jax_distributed
-
-    return getattr(getattr(jax_distributed, "global_state", None), "client", None)
-
-
-class Watch:
-    """The watch of ``watch_processes``: ``lost`` is set once it has found a lost process
-    (it has then printed the stop and ended this process), ``done`` stops it."""
-
-    def __init__(self) -> None:
-        self.lost = threading.Event()
-        self.done = threading.Event()
-
-
-def _watch(client, watch: Watch, on_lost: Callable[[list[int]], NoReturn]) -> None:
-    """The watch's thread: beats, reads every process's beat, calls ``on_lost`` with the
-    processes whose beat stood still for ``LOST_AFTER_S``."""
-    me, count = jax.process_index(), jax.process_count()
-    others = [i for i in range(count) if i != me]
-    last = {i: (None, time.monotonic()) for i in others}  # beat, when it last moved
-    beat = 0
-    while not watch.done.wait(TICK_S):
-        beat += 1
-        try:
-            client.key_value_set(f"{_ALIVE}{me}", str(beat), allow_overwrite=True)
-            beats = dict(client.key_value_dir_get(_ALIVE))
-        except Exception:  # the coordination service itself is gone: process 0 is lost
-            lost = [0]
-        else:
-            now = time.monotonic()
-            for i in others:
-                seen = beats.get(f"{_ALIVE}{i}")
-                if seen != last[i][0]:
-                    last[i] = (seen, now)
-            lost = [i for i in others if now - last[i][1] > LOST_AFTER_S]
-        if lost and not watch.done.is_set():
-            watch.lost.set()
-            on_lost(lost)
-
-
-def watch_processes(on_lost: Callable[[list[int]], NoReturn]) -> Watch | None:
-    """Starts watching the other processes of this run in a thread; ``on_lost(ids)`` is
-    called there when some are lost (and must end this process). None on one process."""
-    client = _client()
-    if jax.process_count() == 1 or client is None:
-        return None
-    watch = Watch()
-    # Before jax's exit (atexit runs the last registered first): a process that ends for
-    # another reason stops beating, and its client may close under a beat.
-    atexit.register(watch.done.set)
-    thread = threading.Thread(
-        target=_watch, args=(client, watch, on_lost), name="lost-process-watch", daemon=True
-    )
-    thread.start()
-    return watch
-
-
-def finish(watch: Watch | None) -> None:
-    """The end of a run: every process here (a barrier), then the watch stops; so no
-    process takes another that has finished for a lost one."""
-    if watch is not None:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices("train_lm: finished")
-        watch.done.set()
-
-
-def stop(lines: list[str]) -> NoReturn:
-    """Prints ``lines`` to stderr and ends this process at once with ``EXIT_LOST``:
-    ``os._exit``, so that neither Python's exit nor jax's (a shutdown barrier that the
-    lost process never reaches, then an abort) runs."""
-    print("\n".join(lines), file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(EXIT_LOST)

@@ -157,7 +157,7 @@ def test_a_lost_process_stops_the_other_which_resumes_to_the_uninterrupted_run(l
     print(f"process 0 stopped {stopped:.1f} s after process 1 was killed")
 
     # The stop: within a minute, exit code 75, four lines and no stack.
-    assert processes[0].returncode == lm.distributed.EXIT_LOST, err[-3000:]
+    assert processes[0].returncode == lm.lost_process.EXIT_LOST, err[-3000:]
     assert stopped < 60, f"process 0 stopped {stopped:.0f} s after process 1 was killed"
     assert not _CPP_STACK.search(err) and "Traceback" not in err, err[-3000:]
     lines = err.splitlines()[-4:]

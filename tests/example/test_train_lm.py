@@ -12,6 +12,7 @@ import importlib.util
 import io
 import json
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -441,6 +442,29 @@ def test_compile_for_an_unknown_target(train_lm, capsys):
 
 
 # ---------------------------------------------------------------- several processes
+
+
+def test_a_lost_process_names_the_norm_being_trained_and_the_command_to_go_on(
+    train_lm, lm, tmp_path
+):
+    """The stop's lines on --compare, lost while the second norm has no checkpoint yet:
+    that norm's workdir, and the command that resumes the comparison on this process
+    (--compare and the launch flags; the Config flags come from each config.json)."""
+    for norm in ("rmsnorm", "prmsnorm"):  # prmsnorm started: it holds a config.json
+        (tmp_path / norm).mkdir()
+        (tmp_path / norm / "config.json").write_text("{}")
+    launch = ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "1"]
+    _, args = train_lm.parse_args(["--compare", "--steps=9", "--workdir", str(tmp_path), *launch])
+    lines = lm.lost_process.stop_message([0], args, script=str(EXAMPLE))
+    assert lines[0].startswith("error: lost process 0 of ") and " for 10 s. " in lines[0]
+    assert lines[1:3] == [
+        f"no complete checkpoint in {tmp_path / 'prmsnorm'} yet: --resume starts from step 0",
+        "to go on, start every process again with --resume (each with its own --process-id); "
+        "this one:",
+    ]
+    command = shlex.split(lines[3])
+    assert Path(command[1]).resolve() == EXAMPLE
+    assert command[2:] == ["--resume", "--workdir", str(tmp_path), "--compare", *launch]
 
 
 def _launch_args(train_lm, lm, argv, env):
