@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rmsnorm_jax import rms_norm
-from rmsnorm_jax.kernels import KernelSpec, triton, triton_sizing
+from rmsnorm_jax.kernels import KernelSpec, _device, triton
 
 from . import peers, report, timing
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     if (device := jax.devices()[0]).platform not in ("gpu", "cuda"):
         print(f"kernel_sizes times GPU kernels; the device here is {device.platform}.")
         return 2
-    sms, widths = triton_sizing.multiprocessors(), (1024, 8192) if args.quick else args.widths
+    sms, widths = _device.target().sms, (1024, 8192) if args.quick else args.widths
     argv = sys.argv[1:] if argv is None else argv
     results = dict(device=device.device_kind, jax=jax.__version__, python=platform.python_version())
     results |= dict(sms=sms, mib=32, command=report.command(argv, p.prog), rows={})

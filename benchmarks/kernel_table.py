@@ -1,7 +1,8 @@
 """python -m benchmarks.kernel_table RESULTS.json: our kernels against our XLA path, from an
 ``ops`` results file, as the Markdown table of docs/kernels.md: forward+backward medians of
-``rms_norm`` and ``add_rms_norm``, their ratio, and whether ``"auto"`` takes the kernels
-there (``rmsnorm_jax.kernels.MEASURED``)."""
+``rms_norm`` and ``add_rms_norm``, their ratio, and what ``implementation="auto"`` takes
+there: the route the functions themselves take (``rmsnorm_jax.kernels.route_of``) on the
+results' device and jax, from the measured wins ``"auto"`` reads."""
 
 from __future__ import annotations
 
@@ -9,25 +10,31 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from rmsnorm_jax import kernels
+from rmsnorm_jax import add_rms_norm, kernels, rms_norm
 
 from . import report
 
 
-def auto_takes_kernels(op: str, n: int, dtype: str, mib: float, device_kind: str) -> bool:
-    """Whether a ``MEASURED`` win covers this call on a CUDA device of ``device_kind``."""
-    x_bytes = int(mib * 2**20) // (n * np.dtype(dtype).itemsize) * n * np.dtype(dtype).itemsize
-    return any(
-        m.op == op and m.platform == "cuda" and m.device_kind in device_kind and dtype in m.dtypes
-        and m.features[0] <= n <= m.features[1] and x_bytes >= m.min_bytes
-        for m in kernels.MEASURED
-    )  # fmt: skip
+def auto_path(op: str, n: int, dtype: str, mib: float, target, jax_version: str) -> str:
+    """``"kernels"`` where ``"auto"`` takes a backend on ``target`` (a
+    ``kernels.Target``) with jax ``jax_version`` for ``mib`` MiB of whole rows, else
+    ``"XLA"``."""
+    rows = int(mib * 2**20) // (n * np.dtype(dtype).itemsize)
+    x = jax.ShapeDtypeStruct((rows, n), jnp.dtype(dtype))
+    scale = jax.ShapeDtypeStruct((n,), jnp.float32)
+    args, fn = ((x, x, scale), add_rms_norm) if op == "add_rms_norm" else ((x, scale), rms_norm)
+    found = kernels.route_of(fn, *args, target=target, jax_version=jax_version)
+    taken = any(c.backend for p, _, c in found.choices if p == target.platform)
+    return "kernels" if found.spec is not None and taken else "XLA"
 
 
-def table(path: Path, device_kind: str = "NVIDIA H200") -> str:
+def table(path: Path) -> str:
     saved = json.loads(Path(path).read_text())
+    target = kernels.Target.gpu(saved["device"])
     med = {
         (r["size_mib"], r["features"], r["dtype"], r["impl"]): r["median_s"] * 1e6
         for r in saved["sections"]["ops"]["results"]
@@ -40,7 +47,7 @@ def table(path: Path, device_kind: str = "NVIDIA H200") -> str:
         for op in ("rms_norm", "add_rms_norm"):
             xla = med.get((mib, n, dtype, f"{op} [xla]"), med.get((mib, n, dtype, op)))
             kernel = med.get((mib, n, dtype, f"{op} [pallas]"))
-            auto = "kernels" if auto_takes_kernels(op, n, dtype, mib, device_kind) else "XLA"
+            auto = auto_path(op, n, dtype, mib, target, saved["jax"])
             cells += (
                 ["", "", "", ""]
                 if None in (xla, kernel)

@@ -174,14 +174,14 @@ def _axis_name_size(axis_name: Hashable) -> int:
 
 def norm_config(
     x,
-    scale=None,
-    eps=1e-6,
-    bias=None,
-    axis=-1,
-    p=1.0,
-    scale_offset=0.0,
-    eps_placement="inside",
-    dtype=None,
+    scale,
+    eps,
+    bias,
+    axis,
+    p,
+    scale_offset,
+    eps_placement,
+    dtype,
     axis_name=None,
     mask=None,
     *,
@@ -193,8 +193,7 @@ def norm_config(
 
     Returns ``(cfg, scale, bias, mask)``: the static :class:`NormConfig` and the
     validated arrays. ``promote_with``: further dtypes that enter the default output
-    dtype (a gate's). The defaults are ``rms_norm``'s (a test holds them equal), for
-    ``kernels.explain``, which describes a call without making it.
+    dtype (a gate's).
     """
     shape, x_dtype = tuple(x.shape), x.dtype
     axes = normalize_axes(axis, len(shape))

@@ -107,9 +107,8 @@ def _transpose(cts, *args, fwd, bwd, num_res, out_types, lin_types):
     cts = tuple(ad.instantiate_zeros(ct) for ct in cts)
     # The backward is traced here, into the program being transposed, not bound as a
     # primitive that would trace it only when lowered: every pass over the program sees
-    # its operations. (Bound lazily, a kernel's ``custom_partitioning`` hid from jax's
-    # check for operations that need the devices while lowering, and ``jax.jit`` of a
-    # vjp function failed with an AssertionError; issue 34.)
+    # its operations (a kernel's ``custom_partitioning`` among them, which jax checks for
+    # operations that need the devices while lowering, and ``jax.jit`` of a vjp function).
     lin_cts = bwd(res, cts)
     return [None] * num_res + [
         ct if ad.is_undefined_primal(a) else None for a, ct in zip(lin, lin_cts, strict=True)

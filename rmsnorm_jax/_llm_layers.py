@@ -11,17 +11,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kernels
 from ._config import (
     as_float_array,
     check_dtype,
-    check_implementation,
     check_param,
     norm_config,
     normalize_axes,
     static_float,
 )
 from ._xla import ACTIVATIONS, AddConfig, GateConfig, add_rms_norm_core, gated_rms_norm_core
+from .kernels import add_rms_norm_kernel, route
 
 
 def _check_like_x(name: str, value: Any, x: jax.Array) -> jax.Array:
@@ -108,9 +107,9 @@ def add_rms_norm(
         h_type, scale, eps, bias, axis, p, scale_offset, eps_placement, dtype, axis_name, mask
     )
     acfg = AddConfig(np.dtype(residual_dtype), jax.typeof(x), jax.typeof(residual))
-    spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask, op="add_rms_norm")
-    if spec is not None:
-        return kernels.add_rms_norm_kernel(cfg, spec, acfg, x, residual, scale, bias)
+    path = route("add_rms_norm", implementation, cfg, x, scale, bias, mask, acfg)
+    if path.spec is not None:
+        return add_rms_norm_kernel(cfg, path.spec, path.request, acfg, x, residual, scale, bias)
     return add_rms_norm_core(cfg, acfg, x, residual, scale, bias, mask)
 
 
@@ -186,7 +185,6 @@ def gated_rms_norm(
     """
     x = as_float_array("x", x)
     gate = _check_like_x("gate", gate, x)
-    check_implementation(implementation)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
     if not isinstance(norm_before_gate, bool):
@@ -196,6 +194,7 @@ def gated_rms_norm(
         x, gate, scale, bias, axis = _grouped(x, gate, scale, bias, axis, p, group_size)
     options = (scale, eps, bias, axis, p, scale_offset, eps_placement, dtype)
     cfg, scale, bias, _ = norm_config(x, *options, promote_with=(gate.dtype,))
+    route("gated_rms_norm", implementation, cfg, x, scale, bias, None)  # XLA: no kernel yet
     y = gated_rms_norm_core(cfg, GateConfig(activation, norm_before_gate), x, gate, scale, bias)
     return y.reshape(shape)
 

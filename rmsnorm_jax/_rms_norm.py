@@ -1,5 +1,6 @@
-"""``rms_norm``, the public function: its arguments are checked by ``_config.py``, and it
-calls the XLA path (``_xla/rms_norm.py``) or the kernels (``kernels/``)."""
+"""``rms_norm``, the public function: its arguments are checked by ``_config.py``; the path
+that computes it, XLA (``_xla/rms_norm.py``) or a backend's kernels, is chosen by
+``kernels/_select.py`` (``route``, ``select``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 
 import jax
 
-from . import kernels
 from ._config import as_float_array, norm_config
 from ._xla import rms_norm_core
+from .kernels import rms_norm_kernel, route
 
 
 def rms_norm(
@@ -85,9 +86,10 @@ def rms_norm(
         normalized alone, no ``mask`` or ``axis_name``, float32/bfloat16/float16 input,
         ``scale`` and ``bias`` of one value per feature, a row that fits a kernel
         block); otherwise XLA. ``"auto"`` (default): the kernels only where a
-        measurement on hardware found them faster (``rmsnorm_jax.kernels.MEASURED``,
-        ``docs/kernels.md``), XLA everywhere else; ``rmsnorm_jax.kernels.explain`` says
-        which path a call takes and why.
+        measurement on hardware found them faster on the device and jax in use
+        (``rmsnorm_jax.kernels.MEASURED``, ``docs/kernels.md``), XLA everywhere else;
+        ``rmsnorm_jax.kernels.explain(rms_norm, x, ...)`` says which path a call takes
+        and why.
 
     Returns:
       ``y`` with the shape of ``x``.
@@ -114,7 +116,7 @@ def rms_norm(
     cfg, scale, bias, mask = norm_config(
         x, scale, eps, bias, axis, p, scale_offset, eps_placement, dtype, axis_name, mask
     )
-    spec = kernels.use_kernels(implementation, cfg, x, scale, bias, mask)
-    if spec is not None:
-        return kernels.rms_norm_kernel(cfg, spec, x, scale, bias)
+    path = route("rms_norm", implementation, cfg, x, scale, bias, mask)
+    if path.spec is not None:
+        return rms_norm_kernel(cfg, path.spec, path.request, x, scale, bias)
     return rms_norm_core(cfg, x, scale, bias, mask)

@@ -5,10 +5,9 @@ same ``h``. XLA computes 16-bit arithmetic in float32 where the hardware has no 
 unit (XLA:CPU, TPU v5e and older), and with excess precision allowed (its default) it
 drops a float32 -> bfloat16 -> float32 round trip: the statistic and ``y`` then see the
 unrounded float32 sum, up to one ulp of ``h`` away from the ``h`` returned and saved
-for the backward (``y`` off from ``rms_norm(h)`` by 1.4e-2 at bfloat16, seen on
-XLA:CPU). With a float32 operand, XLA may also add it unrounded in one fusion and
-rounded in another. :func:`added` keeps every rounding, so that each reader of ``h``
-sees the one value written.
+for the backward, and ``y`` is no longer ``rms_norm(h)``. With a float32 operand, XLA may
+also add it unrounded in one fusion and rounded in another. :func:`added` keeps every
+rounding, so that each reader of ``h`` sees the one value written.
 
 ``lax.reduce_precision`` is the exact rounding of normal numbers, but it flushes the
 subnormals of the narrow format to zero: a float16 row whose ``h`` is all subnormal

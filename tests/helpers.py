@@ -222,11 +222,16 @@ def aot_target(name: str):
 def gpu_kernel_call(device=None) -> str:
     """What a GPU kernel of ours is called in a program compiled for ``device``, for the
     GPU kernels ``implementation="pallas"`` takes there with this jax
-    (``kernels._dispatch.gpu_backend``): Mosaic GPU's custom call, or Pallas-Triton's."""
-    from rmsnorm_jax.kernels import _dispatch
+    (the route of a small call there): Mosaic GPU's custom call, or Pallas-Triton's."""
+    from rmsnorm_jax import kernels, rms_norm
+    from rmsnorm_jax.kernels import _device
 
+    target = _device.target() if device is None else _device.describe(device)
+    x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+    found = kernels.route_of(rms_norm, x, implementation="pallas", target=target)
+    (backend,) = {c.backend for p, _, c in found.choices if p == "cuda"}
     calls = {"mosaic_gpu": 'custom_call_target="mosaic_gpu', "triton": "__gpu$xla.gpu.triton"}
-    return calls[_dispatch.gpu_backend(device)]
+    return calls[backend]
 
 
 # ---------------------------------------------------------------- the kernels' contract

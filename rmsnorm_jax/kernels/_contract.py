@@ -1,40 +1,17 @@
-"""The contract between the launch (``_launch.py``) and each backend's kernels.
+"""The contract between the kernel path and each backend, and the per-row maths they share.
 
-A backend module (``triton.py``: Pallas-Triton; ``mosaic_tpu.py``: Pallas Mosaic TPU)
-exposes
-
-    fits(spec, rows, x_dtype) -> bool
-        whether a block of whole rows of ``spec.n`` features fits the kernel (features
-        too wide for registers/VMEM: False, and the call stays on XLA).
-
-    forward(spec, x, scale, bias, residual=None, *, h_dtype=None, interpret=False)
-        -> (y, stat, h)
-        x, residual: (rows, n); scale, bias: (n,) or None (in their own dtypes).
-        With ``residual``: h = x.astype(h_dtype) + residual.astype(h_dtype) is the row
-        that is normalized and is returned; otherwise h is None and x is normalized.
-        y: (rows, n) in spec.out_dtype; stat: (rows,) float32, the per-row residual of
-        the XLA path (``_xla/passes.py``): rsqrt(ms + eps) for "inside", sqrt(ms) for
-        "outside", ms = mean of the squares of the first spec.k features.
-        One pass: reads x (and residual) once, writes y (and h) once.
-
-    backward(spec, x, dy, stat, scale, dh=None, *, dx_dtype, interpret=False)
-        -> (dx, dscale_partials, dbias_partials)
-        x: the normalized rows (h for the residual form), dy: (rows, n); stat: (rows,)
-        float32 as above; scale: (n,) or None; dh: (rows, n) or None, a cotangent added
-        to dx (the residual form's cotangent of h).
-        dx: (rows, n) in dx_dtype. dscale_partials / dbias_partials: (blocks, n)
-        float32 partial sums over blocks of rows of dy * xhat / dy (None when
-        spec.has_scale / spec.has_bias is False); the caller sums them over axis 0.
-        One pass: reads x, dy (and dh) once, writes dx once.
-
-The maths is ``docs/derivatives.md``'s; the per-row helpers below are shared by every
-backend's kernel body, so that the kernels and the XLA path compute the same formula.
+A backend is a module (``mosaic_gpu.py``: Mosaic GPU; ``triton.py``: Pallas-Triton;
+``mosaic_tpu.py``: Mosaic TPU) that is a :class:`Backend`; ``_select.py`` lists them and
+mypy checks each against the protocol there. The per-row helpers below are called by
+every backend's kernel bodies, so that the kernels and the XLA path compute the same
+formula (``docs/derivatives.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +31,6 @@ class KernelSpec:
       scale_offset: added to scale before it multiplies (1.0: Gemma's 1 + scale).
       has_scale, has_bias: whether scale / bias are given.
       out_dtype: dtype of y.
-      platforms: the platforms (``lax.platform_dependent`` names: ``"cuda"``,
-        ``"tpu"``, ``"cpu"``) whose kernels compute the call; on the others it is XLA's.
-        Every platform for ``implementation="pallas"``; for ``"auto"`` the platforms of
-        the measured win (``_dispatch.MEASURED``).
-      gpu_backend: the GPU kernels (``"mosaic_gpu"`` or ``"triton"``), or None for the
-        default of the GPU being compiled for (``_dispatch.gpu_backend``).
     """
 
     n: int
@@ -70,12 +41,98 @@ class KernelSpec:
     has_scale: bool
     has_bias: bool
     out_dtype: np.dtype
-    platforms: tuple[str, ...] = ("cuda", "tpu", "cpu")
-    gpu_backend: str | None = None
 
 
 # The dtypes every backend takes for its rows, parameters and outputs.
 KERNEL_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+class Backend(Protocol):
+    """One backend's kernels, as the kernel path (``_select.py``, ``_launch.py``) uses them.
+
+    Attributes:
+      NAME: the registry's name (``"mosaic_gpu"``, ``"triton"``, ``"mosaic_tpu"``).
+      LABEL: the name said to users (``"Mosaic GPU"``).
+      PLATFORM: the platform its kernels compile for (``lax.platform_dependent``'s
+        ``"cuda"`` or ``"tpu"``); on a CPU they may run interpreted.
+    """
+
+    NAME: str
+    LABEL: str
+    PLATFORM: str
+
+    def unusable(self, target: Any) -> str | None:
+        """Why this jax or the device ``target`` (a ``_device.Target``) cannot run the
+        kernels, or None where it can."""
+        ...
+
+    def deprecated(self, version: str) -> str | None:
+        """Why ``implementation="auto"`` must not take them with jax ``version`` (every
+        lowering warns there), or None."""
+        ...
+
+    def fits(
+        self,
+        spec: KernelSpec,
+        rows: int,
+        x_dtype: Any,
+        *,
+        kind: str | None = None,
+        residual_dtype: Any = None,
+        h_dtype: Any = None,
+        dx_dtype: Any = None,
+    ) -> bool:
+        """Whether the ``kind`` kernel (``"forward"`` or ``"backward"``) takes ``rows`` rows
+        of ``spec.n`` features of ``x_dtype`` with these dtypes (``residual_dtype``: the
+        forward's residual, or the backward's ``dh``); without ``kind``, whether both
+        kernels take every form of the call. False: the call stays on XLA."""
+        ...
+
+    def forward(
+        self,
+        spec: KernelSpec,
+        x: jax.Array,
+        scale: jax.Array | None,
+        bias: jax.Array | None,
+        residual: jax.Array | None = None,
+        *,
+        h_dtype: Any = None,
+        interpret: Any = False,
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """One pass: ``(y, stat, h)``.
+
+        x, residual: (rows, n); scale, bias: (n,) or None (in their own dtypes). With
+        ``residual``: h = x.astype(h_dtype) + residual.astype(h_dtype) is the row that is
+        normalized and is returned; otherwise h is None and x is normalized. y: (rows, n)
+        in spec.out_dtype; stat: (rows,) float32, the per-row residual of the XLA path
+        (``_xla/passes.py``): rsqrt(ms + eps) for "inside", sqrt(ms) for "outside", ms the
+        mean of the squares of the first spec.k features. Reads x (and residual) once,
+        writes y (and h) once. ``interpret``: run on a CPU in Pallas interpret mode.
+        """
+        ...
+
+    def backward(
+        self,
+        spec: KernelSpec,
+        x: jax.Array,
+        dy: jax.Array,
+        stat: jax.Array,
+        scale: jax.Array | None,
+        dh: jax.Array | None = None,
+        *,
+        dx_dtype: Any,
+        interpret: Any = False,
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+        """One pass: ``(dx, dscale_partials, dbias_partials)``.
+
+        x: the normalized rows (h for the residual form), dy: (rows, n); stat: (rows,)
+        float32 as above; scale: (n,) or None; dh: (rows, n) or None, a cotangent added
+        to dx (the residual form's cotangent of h). dx: (rows, n) in dx_dtype.
+        dscale_partials / dbias_partials: (blocks, n) float32 partial sums over blocks of
+        rows of dy * xhat / dy (None when spec.has_scale / spec.has_bias is False); the
+        caller sums them over axis 0. Reads x, dy (and dh) once, writes dx once.
+        """
+        ...
 
 
 # ---------------------------------------------------------------- the calls' arguments

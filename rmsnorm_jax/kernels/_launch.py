@@ -1,5 +1,6 @@
-"""How a kernel call reaches each device: the backend per platform (or XLA where a row
-does not fit it), each device's own rows under sharding, ``vmap``, and a derivative.
+"""How a kernel call reaches each device: the path ``_select.select`` chooses per platform
+(a backend's kernels, or XLA), each device's own rows under sharding, ``vmap``, and a
+derivative.
 
     forward_rows(call, x, residual, scale, bias) -> (y, stat[, h])
     backward_rows(call, x, dy, stat, dh, scale) -> (dx[, dscale][, dbias])
@@ -7,10 +8,8 @@ does not fit it), each device's own rows under sharding, ``vmap``, and a derivat
 Each is one ``custom_jvp`` (a kernel has no derivative of its own: differentiated again,
 as in grad-of-grad, it differentiates as its XLA twin ``forward_xla`` / ``backward_xla``)
 around one ``custom_vmap`` (the mapped axis becomes more rows) around
-``_sharding.rowwise`` (each device's rows), around ``lax.platform_dependent`` (the kernel
-of the platform being lowered for: ``mosaic_gpu`` on Hopper and Blackwell, ``triton`` on
-other NVIDIA GPUs (``_dispatch.gpu_backend``), ``mosaic_tpu`` on TPU, the Triton kernels
-in interpret mode on a CPU, XLA on ROCm).
+``_sharding.rowwise`` (each device's rows), around ``lax.platform_dependent``: for each
+platform, ``select``'s choice for this device's rows.
 """
 
 from __future__ import annotations
@@ -27,8 +26,9 @@ from jax import lax
 from .._config import NormConfig
 from .._types import varying, vma
 from .._xla.passes import backward_parts, normalized, output, row_statistic
+from . import _device
 from ._contract import KernelSpec
-from ._dispatch import gpu_backend
+from ._select import Pass, Request, load, select
 from ._sharding import ROWS, STAT, SUM, rowwise
 
 
@@ -40,12 +40,14 @@ class RowCall:
     Attributes:
       cfg: the norm's configuration (its axes are replaced by the last one here).
       spec: the kernels' description of the call.
+      request: what the caller asked (``select`` reads it).
       h_dtype: dtype of ``h`` (forward with a residual), else None.
       dx_dtype: dtype of ``dx`` (backward), else None.
     """
 
     cfg: NormConfig
     spec: KernelSpec
+    request: Request
     h_dtype: np.dtype | None = None
     dx_dtype: np.dtype | None = None
 
@@ -132,61 +134,31 @@ def _like_rows(x, outs: tuple) -> tuple:
     return tuple(varying(o, rows_vma) for o in outs)
 
 
-def _fits(backend, call: RowCall, x, extra) -> bool:
-    """Whether ``backend``'s kernel takes this call (``extra``: the residual or dh)."""
-    kind = "forward" if call.dx_dtype is None else "backward"
-    return backend.fits(
-        call.spec,
-        math.prod(x.shape[:-1]),
-        x.dtype,
-        kind=kind,
-        residual_dtype=None if extra is None else extra.dtype,
+def _on_device(kernel, xla, call: RowCall, operands, extra):
+    """``kernel`` or ``xla`` of the platform being lowered for, on this device's rows, as
+    ``select`` chooses (``extra``: the residual or ``dh``, whose dtype the kernels'
+    ``fits`` reads)."""
+    x = operands[0]
+    step = Pass(
+        kind="forward" if call.dx_dtype is None else "backward",
+        rows=math.prod(x.shape[:-1]),
+        x_dtype=np.dtype(x.dtype),
+        residual_dtype=None if extra is None else np.dtype(extra.dtype),
         h_dtype=call.h_dtype,
         dx_dtype=call.dx_dtype,
     )
+    target, version = _device.target(), _device.jax_version()
+    checked = bool(vma(jax.typeof(x)))
 
+    def on(platform: str):
+        choice = select(call.request, call.spec, platform, step, target, version, checked=checked)
+        if choice.backend is None:
+            return functools.partial(xla, call)
+        backend, _ = load(choice.backend)
+        return functools.partial(kernel, backend, choice.interpret, call)
 
-def _branch(kernel, xla, call: RowCall, x, extra, platform: str, backend, interpret=False):
-    """The function that computes the call when lowered for ``platform``."""
-    if platform in call.spec.platforms and _fits(backend, call, x, extra):
-        return functools.partial(kernel, backend, interpret, call)
-    return functools.partial(xla, call)
-
-
-def _gpu_kernels(spec: KernelSpec):
-    """The module of the GPU kernels that compute ``spec``'s call, or None (XLA)."""
-    name = spec.gpu_backend or gpu_backend()
-    if name == "mosaic_gpu":
-        from . import mosaic_gpu
-
-        return mosaic_gpu
-    if name == "triton":
-        from . import triton
-
-        return triton
-    return None
-
-
-def _on_device(kernel, xla, call: RowCall, operands, extra):
-    """``kernel`` or ``xla`` of the platform being lowered for, on this device's rows
-    (``extra``: the residual or ``dh``, whose dtype the kernels' ``fits`` reads)."""
-    from . import mosaic_tpu, triton  # imported on first use: Pallas loads for the kernels
-
-    x = operands[0]
-    on_xla = functools.partial(xla, call)
-    gpu = _gpu_kernels(call.spec)
-    on_gpu = on_xla if gpu is None else _branch(kernel, xla, call, x, extra, "cuda", gpu)
-    # Pallas' interpreter cannot run inside a shard_map that checks varying axes (its
-    # padding breaks the check): there the CPU computes the call with XLA.
-    on_cpu = on_xla
-    if not vma(jax.typeof(x)):
-        on_cpu = _branch(kernel, xla, call, x, extra, "cpu", triton, interpret=True)
     return lax.platform_dependent(
-        *operands,
-        cuda=on_gpu,
-        tpu=_branch(kernel, xla, call, x, extra, "tpu", mosaic_tpu),
-        rocm=on_xla,
-        default=on_cpu,
+        *operands, cuda=on("cuda"), tpu=on("tpu"), rocm=on("rocm"), default=on("cpu")
     )
 
 

@@ -42,20 +42,20 @@ def rowwise(local: Local, rows: list, params: list, kinds: Sequence[str]) -> tup
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
         return tuple(local(rows, params))
-    spec = explicit_spec(jax.typeof(x))
-    if spec is not None:
-        return _shard_mapped(local, rows, params, kinds, jax.typeof(x).sharding.mesh, spec)
+    pspec = explicit_spec(jax.typeof(x))
+    if pspec is not None:
+        return _shard_mapped(local, rows, params, kinds, jax.typeof(x).sharding.mesh, pspec)
     return _custom_partitioned(local, rows, params, kinds)
 
 
-def _row_spec(spec: tuple) -> tuple:
-    return (*spec[:-1], None)
+def _row_pspec(pspec: tuple) -> tuple:
+    return (*pspec[:-1], None)
 
 
-def _row_axes(spec: tuple) -> tuple[str, ...]:
-    """The mesh axes that split the rows (every entry of the spec but the last)."""
+def _row_axes(pspec: tuple) -> tuple[str, ...]:
+    """The mesh axes that split the rows (every entry of the partition spec but the last)."""
     axes: list[str] = []
-    for entry in spec[:-1]:
+    for entry in pspec[:-1]:
         if entry is None:
             continue
         axes.extend((entry,) if isinstance(entry, str) else entry)
@@ -84,12 +84,13 @@ def _flat(rows: list, params: list):
     return arrays, is_row, rebuild
 
 
-def _shard_mapped(local, rows, params, kinds, mesh, spec):
-    row_spec = P(*_row_spec(spec))
-    axes = _row_axes(spec)
+def _shard_mapped(local, rows, params, kinds, mesh, pspec):
+    row_pspec = P(*_row_pspec(pspec))
+    axes = _row_axes(pspec)
     arrays, is_row, rebuild = _flat(rows, params)
     arrays = [
-        jax.sharding.reshard(a, row_spec if r else P()) for a, r in zip(arrays, is_row, strict=True)
+        jax.sharding.reshard(a, row_pspec if r else P())
+        for a, r in zip(arrays, is_row, strict=True)
     ]
 
     def body(*flat):
@@ -98,16 +99,16 @@ def _shard_mapped(local, rows, params, kinds, mesh, spec):
     outs = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=tuple(row_spec if r else P() for r in is_row),
-        out_specs=tuple(P() if k == SUM else row_spec for k in kinds),
+        in_specs=tuple(row_pspec if r else P() for r in is_row),
+        out_specs=tuple(P() if k == SUM else row_pspec for k in kinds),
         check_vma=False,
     )(*arrays)
-    if spec[-1] is None:
+    if pspec[-1] is None:
         return outs
     # Features split explicitly: the kernels ran on whole rows; the row outputs go back
     # to x's own sharding, as the XLA path's do (a scan carry must keep its type).
     return tuple(
-        jax.sharding.reshard(o, P(*spec)) if k == ROWS else o
+        jax.sharding.reshard(o, P(*pspec)) if k == ROWS else o
         for o, k in zip(outs, kinds, strict=True)
     )
 
@@ -119,26 +120,26 @@ def _custom_partitioned(local, rows, params, kinds):
     def call(*flat):
         return tuple(local(*rebuild(flat)))
 
-    def row_spec_of(arg_shapes):
+    def row_pspec_of(arg_shapes):
         sharding = arg_shapes[0].sharding
-        spec = tuple(getattr(sharding, "spec", ()))
-        return _row_spec(spec + (None,) * (ndim - len(spec)))
+        pspec = tuple(getattr(sharding, "spec", ()))
+        return _row_pspec(pspec + (None,) * (ndim - len(pspec)))
 
-    def out_shardings(mesh, spec):
-        return tuple(NamedSharding(mesh, P() if k == SUM else P(*spec)) for k in kinds)
+    def out_shardings(mesh, pspec):
+        return tuple(NamedSharding(mesh, P() if k == SUM else P(*pspec)) for k in kinds)
 
     def infer(mesh, arg_shapes, result_shape):
-        return out_shardings(mesh, row_spec_of(arg_shapes))
+        return out_shardings(mesh, row_pspec_of(arg_shapes))
 
     def partition(mesh, arg_shapes, result_shape):
-        spec = row_spec_of(arg_shapes)
-        axes = _row_axes(spec)
+        pspec = row_pspec_of(arg_shapes)
+        axes = _row_axes(pspec)
 
         def lower(*flat):
             return _summed(call(*flat), kinds, axes)
 
-        arg_shardings = tuple(NamedSharding(mesh, P(*spec) if r else P()) for r in is_row)
-        return mesh, lower, out_shardings(mesh, spec), arg_shardings
+        arg_shardings = tuple(NamedSharding(mesh, P(*pspec) if r else P()) for r in is_row)
+        return mesh, lower, out_shardings(mesh, pspec), arg_shardings
 
     operands = ", ".join("... n" if r else "n" for r in is_row)
     results = ", ".join({ROWS: "... n", STAT: "... o", SUM: "n"}[k] for k in kinds)

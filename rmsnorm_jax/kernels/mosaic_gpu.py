@@ -1,6 +1,6 @@
 """Mosaic GPU kernels (Hopper, Blackwell): RMSNorm in one pass forward and one backward.
 
-The contract is ``_contract.py``'s (``fits``, ``forward``, ``backward``) and the maths its
+The contract is ``_contract.py``'s (``Backend``) and the maths its
 per-row helpers, as in the Pallas-Triton kernels (``triton.py``). Each kernel is one
 ``plgpu.kernel`` lowered with Mosaic GPU's lane semantics (explicit register layouts) of
 one warpgroup (128 threads) per block. The schedule (``mosaic_gpu_sizing.plan``, whose
@@ -8,7 +8,7 @@ constants say why each is chosen; none is tuned on a GPU yet):
 
 - A row is J splits of S <= 256 features, so that R rows are one TMA copy ``(R, J, S)``
   (a TMA box holds at most 256 elements an axis). A persistent grid (as many blocks as
-  shared memory lets reside, at most 4 an SM) walks the row blocks ``p, p + P, ...``;
+  shared memory lets reside, at most 4 an SM) walks the row blocks ``i, i + P, ...``;
   with two staging slots the next block's copies fly while this one is computed.
 - Up to 2048 features, row tiles: R rows (about 8192 features of rows) a block, in
   register chunks of T rows x S features. A warp owns whole rows, so a row's sums are
@@ -57,10 +57,23 @@ from ._contract import (
     out_struct,
     stat_from_ms,
 )
-from .mosaic_gpu_sizing import Plan, fits, grid_size, plan, plan_or_raise
+from .mosaic_gpu_sizing import Plan, fits, grid_size, plan_or_raise
 
-__all__ = ["available", "backward", "fits", "forward", "plan"]
+__all__ = [
+    "LABEL",
+    "NAME",
+    "PLATFORM",
+    "available",
+    "backward",
+    "deprecated",
+    "fits",
+    "forward",
+    "unusable",
+]
 
+NAME = "mosaic_gpu"
+LABEL = "Mosaic GPU"
+PLATFORM = "cuda"
 _KERNELS = "the Mosaic GPU kernels"
 
 _F32 = jnp.float32
@@ -70,8 +83,30 @@ _plgpu_load: Callable[..., Any] = plgpu.load
 
 
 def available() -> bool:
-    """Whether this jax runs these kernels in interpret mode on a CPU (jax >= 0.11.2)."""
+    """Whether this jax has the ``plgpu.kernel`` API these kernels are written in, and
+    runs them in interpret mode on a CPU (jax >= 0.11.2)."""
     return hasattr(plgpu, "InterpretGPUParams") and hasattr(plgpu, "kernel")
+
+
+def unusable(target) -> str | None:
+    """Why this jax or the device ``target`` (a ``_device.Target``) cannot run these
+    kernels: a jax before 0.11.2, or a GPU known to be neither Hopper nor Blackwell
+    (compute capability 9.x or 10.x). A GPU not known (a deviceless compile without a
+    mesh) is taken for one that runs them."""
+    if not available():
+        return f"jax {jax.__version__} has no Mosaic GPU plgpu.kernel (jax >= 0.11.2 has)"
+    capability = target.capability
+    if target.platform == "cuda" and capability is not None and capability[0] not in (9, 10):
+        return (
+            f"the Mosaic GPU kernels need Hopper or Blackwell (compute capability 9.x or "
+            f"10.x), not {target.kind} ({capability[0]}.{capability[1]})"
+        )
+    return None
+
+
+def deprecated(version: str) -> str | None:
+    """None: Mosaic GPU is the Pallas GPU backend jax develops."""
+    return None
 
 
 # ---------------------------------------------------------------- layout and views
@@ -90,63 +125,67 @@ def _layout(lanes: int, v: int):
     return plgpu.Layout.TILED(*(getattr(tiled, name) for name in fields))
 
 
-def _chunk(ref, p: Plan, row, c):
+def _chunk(ref, plan: Plan, row, c):
     """The (T, S) chunk c of a (rows, J, S) ref, at ``row``: T rows of split c (row
     tiles), or splits ``c*T ...`` of row ``row`` (split rows)."""
-    if p.split:
-        return ref.at[row, pl.ds(c * p.T, p.T), :]
-    return ref.at[pl.ds(row, p.T), c, :]
+    if plan.split:
+        return ref.at[row, pl.ds(c * plan.T, plan.T), :]
+    return ref.at[pl.ds(row, plan.T), c, :]
 
 
-def _load(ref, p: Plan, *, axis=None, optimized=True, raw=False):
+def _load(ref, plan: Plan, *, axis=None, optimized=True, raw=False):
     """A chunk (or, with ``axis``, its rows reduced along ``axis``) in float32 (``raw``:
     in its own dtype), ``optimized``: vector transfers free of bank conflicts."""
-    layout = _layout(p.lanes, p.v) if axis is None else _layout(p.lanes, p.v).reduce(axis)
+    layout = (
+        _layout(plan.lanes, plan.v) if axis is None else _layout(plan.lanes, plan.v).reduce(axis)
+    )
     value = _plgpu_load(ref, layout=layout, optimized=optimized)
     return value if raw else value.astype(_F32)
 
 
-def _iota(p: Plan, axis: int):
-    return plgpu.broadcasted_iota(jnp.int32, (p.T, p.S), axis, layout=_layout(p.lanes, p.v))
+def _iota(plan: Plan, axis: int):
+    return plgpu.broadcasted_iota(
+        jnp.int32, (plan.T, plan.S), axis, layout=_layout(plan.lanes, plan.v)
+    )
 
 
-def _columns(p: Plan, c):
+def _columns(plan: Plan, c):
     """The feature index of each element of chunk c."""
-    splits = c * p.T + _iota(p, 0) if p.split else c
-    return splits * p.S + _iota(p, 1)
+    splits = c * plan.T + _iota(plan, 0) if plan.split else c
+    return splits * plan.S + _iota(plan, 1)
 
 
-def _param(ref, p: Plan, c):
+def _param(ref, plan: Plan, c):
     """Chunk c of a (J, S) parameter in float32, as a (T, S) chunk; None without one.
 
     Read from HBM (through L1) where needed, as plain vector loads: ``optimized`` GMEM
     transfers are not lowered by jax 0.11.2 and need whole 128-byte lines in 0.12."""
     if ref is None:
         return None
-    if p.split:
-        return _load(ref.at[pl.ds(c * p.T, p.T), :], p, optimized=False)
-    return _broadcast(p, _load(ref.at[c], p, axis=0, optimized=False), 0)
+    if plan.split:
+        return _load(ref.at[pl.ds(c * plan.T, plan.T), :], plan, optimized=False)
+    return _broadcast(plan, _load(ref.at[c], plan, axis=0, optimized=False), 0)
 
 
-def _zeros(p: Plan):
-    return plgpu.layout_cast(jnp.zeros((p.T, p.S), _F32), _layout(p.lanes, p.v))
+def _zeros(plan: Plan):
+    return plgpu.layout_cast(jnp.zeros((plan.T, plan.S), _F32), _layout(plan.lanes, plan.v))
 
 
-def _row_total(p: Plan, acc):
+def _row_total(plan: Plan, acc):
     """Per row sums of a chunk-shaped accumulator: (T,) for row tiles, a scalar for a
     split row (its chunks' rows are splits of the one row)."""
-    return jnp.sum(jnp.sum(acc, axis=1), axis=0) if p.split else jnp.sum(acc, axis=1)
+    return jnp.sum(jnp.sum(acc, axis=1), axis=0) if plan.split else jnp.sum(acc, axis=1)
 
 
-def _broadcast(p: Plan, value, dim: int):
+def _broadcast(plan: Plan, value, dim: int):
     """A (T,) or (S,) value as a (T, S) chunk, repeated along ``dim``."""
-    wide = lax.broadcast_in_dim(value, (p.T, p.S), (1 - dim,))
-    return plgpu.layout_cast(wide, _layout(p.lanes, p.v))
+    wide = lax.broadcast_in_dim(value, (plan.T, plan.S), (1 - dim,))
+    return plgpu.layout_cast(wide, _layout(plan.lanes, plan.v))
 
 
-def _spread(p: Plan, per_row):
+def _spread(plan: Plan, per_row):
     """Per-row values (``_row_total``'s shape) as a (T, S) chunk (scalars broadcast)."""
-    return per_row if p.split else _broadcast(p, per_row, 1)
+    return per_row if plan.split else _broadcast(plan, per_row, 1)
 
 
 def _store(value, ring, q, dst) -> None:
@@ -164,63 +203,70 @@ def _store(value, ring, q, dst) -> None:
 # ---------------------------------------------------------------- the persistent loops
 
 
-def _staged(p: Plan, rows: int, programs: int, sources, stage, bar, tile) -> None:
+def _staged(plan: Plan, rows: int, programs: int, sources, stage, bar, tile) -> None:
     """Walks row blocks ``pid, pid + programs, ...``: stages each block's rows of the
     ``sources`` (GMEM refs, rows first) into ``stage`` (SMEM, a slot axis first), the
     next block's copies issued before (two slots) or after (one) this block's work, and
     calls ``tile(i, block, t, chunk_refs)`` for each row tile t of block i of the walk;
     ``chunk_refs(pass_, c)`` gives the SMEM views of chunk c of every source."""
     pid = lax.axis_index("programs")
-    steps = (p.blocks(rows) - 1 - pid) // programs + 1
+    steps = (plan.blocks(rows) - 1 - pid) // programs + 1
 
     def fetch(i, slot):
         block = pid + i * programs
         plgpu.commit_smem()  # the slot's reads before the TMA's writes (generic -> async)
         for src, dst in zip(sources, stage, strict=True):
             rows_ = dst.shape[1]  # the statistic's staging may be wider (whole 128 bytes)
-            plgpu.copy_gmem_to_smem(src.at[pl.ds(block * p.R, rows_)], dst.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(
+                src.at[pl.ds(block * plan.R, rows_)], dst.at[slot], bar.at[slot]
+            )
 
     fetch(0, 0)
 
     def body(i, carry):
-        slot = lax.rem(i, p.slots)
+        slot = lax.rem(i, plan.slots)
         plgpu.barrier_wait(bar.at[slot])
         more = i + 1 < steps
-        if p.slots == 2:
+        if plan.slots == 2:
             pl.when(more)(lambda: fetch(i + 1, 1 - slot))
 
         def each_tile(t, carry):
             views = [s.at[slot] for s in stage if len(s.shape) == 4]  # not the statistic
-            tile(i, pid + i * programs, t, lambda _, c: [_chunk(v, p, t * p.T, c) for v in views])
+            tile(
+                i,
+                pid + i * programs,
+                t,
+                lambda _, c: [_chunk(v, plan, t * plan.T, c) for v in views],
+            )
             return carry
 
-        lax.fori_loop(0, p.tiles, each_tile, 0)
-        if p.slots == 1:
+        lax.fori_loop(0, plan.tiles, each_tile, 0)
+        if plan.slots == 1:
             pl.when(more)(lambda: fetch(i + 1, 0))
         return carry
 
     lax.fori_loop(0, steps, body, 0)
 
 
-def _streamed(p: Plan, rows: int, programs: int, sources, rings, bar, tile) -> None:
+def _streamed(plan: Plan, rows: int, programs: int, sources, rings, bar, tile) -> None:
     """As :func:`_staged` for split rows that do not fit shared memory whole: each pass
     over a row loads its chunks again (the second time mostly from L2) through two-slot
     rings, the next chunk's copies in flight while one is computed."""
     pid = lax.axis_index("programs")
-    steps = (p.blocks(rows) - 1 - pid) // programs + 1
-    loads = steps * 2 * p.chunks  # two passes over each row
+    steps = (plan.blocks(rows) - 1 - pid) // programs + 1
+    loads = steps * 2 * plan.chunks  # two passes over each row
 
     def fetch(g):
-        row = pid + g // (2 * p.chunks) * programs
+        row = pid + g // (2 * plan.chunks) * programs
         slot = lax.rem(g, 2)
         plgpu.commit_smem()  # the slot's reads before the TMA's writes (generic -> async)
         for src, ring in zip(sources, rings, strict=True):
             plgpu.copy_gmem_to_smem(
-                _chunk(src, p, row, lax.rem(g, p.chunks)), ring.at[slot], bar.at[slot]
+                _chunk(src, plan, row, lax.rem(g, plan.chunks)), ring.at[slot], bar.at[slot]
             )
 
     def chunk_refs(i, pass_, c):
-        g = (2 * i + pass_) * p.chunks + c
+        g = (2 * i + pass_) * plan.chunks + c
         slot = lax.rem(g, 2)
         plgpu.barrier_wait(bar.at[slot])
         pl.when(g + 1 < loads)(lambda: fetch(g + 1))
@@ -235,26 +281,26 @@ def _streamed(p: Plan, rows: int, programs: int, sources, rings, bar, tile) -> N
     lax.fori_loop(0, steps, body, 0)
 
 
-def _walk(p: Plan, rows, programs, sources, stage, bar, tile) -> None:
-    (_streamed if p.stream else _staged)(p, rows, programs, sources, stage, bar, tile)
+def _walk(plan: Plan, rows, programs, sources, stage, bar, tile) -> None:
+    (_streamed if plan.stream else _staged)(plan, rows, programs, sources, stage, bar, tile)
 
 
-def _stage_types(p: Plan, dtypes, stat: bool = False):
+def _stage_types(plan: Plan, dtypes, stat: bool = False):
     """The SMEM that the walk copies rows into, and its barrier."""
-    if p.stream:
-        stage = [plgpu.SMEM((2, p.T, p.S), d) for d in dtypes]
+    if plan.stream:
+        stage = [plgpu.SMEM((2, plan.T, plan.S), d) for d in dtypes]
     else:
-        stage = [plgpu.SMEM((p.slots, p.R, p.J, p.S), d) for d in dtypes]
+        stage = [plgpu.SMEM((plan.slots, plan.R, plan.J, plan.S), d) for d in dtypes]
     if stat:  # whole 128-byte rows of statistics (TMA copies move multiples of 128 bytes)
-        stage.append(plgpu.SMEM((p.slots, -(-p.R // 32) * 32), _F32))
-    slots = 2 if p.stream else p.slots
+        stage.append(plgpu.SMEM((plan.slots, -(-plan.R // 32) * 32), _F32))
+    slots = 2 if plan.stream else plan.slots
     return [stage, plgpu.Barrier(num_arrivals=len(stage), num_barriers=slots)]
 
 
 # ---------------------------------------------------------------- forward
 
 
-def _forward_kernel(*kernel_refs, spec: KernelSpec, p: Plan, rows, programs, has_res, interpret):
+def _forward_kernel(*kernel_refs, spec: KernelSpec, plan: Plan, rows, programs, has_res, interpret):
     refs = list(kernel_refs)
     x, res = refs.pop(0), refs.pop(0) if has_res else None
     scale = refs.pop(0) if spec.has_scale else None
@@ -262,61 +308,63 @@ def _forward_kernel(*kernel_refs, spec: KernelSpec, p: Plan, rows, programs, has
     y, stat = refs.pop(0), refs.pop(0)
     h = refs.pop(0) if has_res else None
     stage, bar, rings = refs.pop(0), refs.pop(0), refs.pop(0)
-    stat_ring = None if p.split else refs.pop(0)
+    stat_ring = None if plan.split else refs.pop(0)
 
     def rows_in(views):
         """The normalized rows of a chunk: x, or h = x + residual rounded to h's dtype."""
-        xv = _load(views[0], p, raw=True)
+        xv = _load(views[0], plan, raw=True)
         if res is None:
             return xv
-        return added(xv, _load(views[1], p, raw=True), h.dtype, keep=bool(interpret))
+        return added(xv, _load(views[1], plan, raw=True), h.dtype, keep=bool(interpret))
 
     def tile(i, block, t, chunk_refs):
-        row = block * p.R + t * p.T
-        q0 = (i * p.tiles + t) * p.chunks  # this tile's first chunk in the program's walk
+        row = block * plan.R + t * plan.T
+        q0 = (i * plan.tiles + t) * plan.chunks  # this tile's first chunk in the program's walk
 
         def square(c, acc):
             hv = rows_in(chunk_refs(0, c))
             if h is not None:
-                _store(hv, rings[1], q0 + c, _chunk(h, p, row, c))
+                _store(hv, rings[1], q0 + c, _chunk(h, plan, row, c))
             hf = hv.astype(_F32)
-            sq = hf * hf if spec.k == spec.n else jnp.where(_columns(p, c) < spec.k, hf * hf, 0.0)
+            sq = (
+                hf * hf if spec.k == spec.n else jnp.where(_columns(plan, c) < spec.k, hf * hf, 0.0)
+            )
             return acc + sq
 
-        ms = _row_total(p, lax.fori_loop(0, p.chunks, square, _zeros(p))) * (1.0 / spec.k)
+        ms = _row_total(plan, lax.fori_loop(0, plan.chunks, square, _zeros(plan))) * (1.0 / spec.k)
         st = stat_from_ms(spec, ms)
-        if p.split:
+        if plan.split:
             stat[block] = st
         else:
-            _store(st, stat_ring, i * p.tiles + t, stat.at[pl.ds(row, p.T)])
-        spread = _spread(p, st)
+            _store(st, stat_ring, i * plan.tiles + t, stat.at[pl.ds(row, plan.T)])
+        spread = _spread(plan, st)
 
         def write(c, carry):
             hf = rows_in(chunk_refs(1, c)).astype(_F32)
-            out = normalized(spec, hf, spread, _param(scale, p, c), _param(bias, p, c))
-            _store(out, rings[0], q0 + c, _chunk(y, p, row, c))
+            out = normalized(spec, hf, spread, _param(scale, plan, c), _param(bias, plan, c))
+            _store(out, rings[0], q0 + c, _chunk(y, plan, row, c))
             return carry
 
-        lax.fori_loop(0, p.chunks, write, 0)
+        lax.fori_loop(0, plan.chunks, write, 0)
 
-    _walk(p, rows, programs, [x] if res is None else [x, res], stage, bar, tile)
+    _walk(plan, rows, programs, [x] if res is None else [x, res], stage, bar, tile)
     plgpu.wait_smem_to_gmem(0)
 
 
-def _forward_scratch(p: Plan, staged, y_dtype, h_dtype):
-    rings = [plgpu.SMEM((2, p.T, p.S), y_dtype)]
+def _forward_scratch(plan: Plan, staged, y_dtype, h_dtype):
+    rings = [plgpu.SMEM((2, plan.T, plan.S), y_dtype)]
     if h_dtype is not None:
-        rings.append(plgpu.SMEM((2, p.T, p.S), h_dtype))
-    scratch = [*_stage_types(p, staged), rings]
-    if not p.split:
-        scratch.append(plgpu.SMEM((2, p.T), _F32))
+        rings.append(plgpu.SMEM((2, plan.T, plan.S), h_dtype))
+    scratch = [*_stage_types(plan, staged), rings]
+    if not plan.split:
+        scratch.append(plgpu.SMEM((2, plan.T), _F32))
     return scratch
 
 
 # ---------------------------------------------------------------- backward
 
 
-def _backward_kernel(*kernel_refs, spec: KernelSpec, p: Plan, rows, programs, has_dh):
+def _backward_kernel(*kernel_refs, spec: KernelSpec, plan: Plan, rows, programs, has_dh):
     refs = list(kernel_refs)
     x, dy, stat = refs.pop(0), refs.pop(0), refs.pop(0)
     scale = refs.pop(0) if spec.has_scale else None
@@ -328,65 +376,69 @@ def _backward_kernel(*kernel_refs, spec: KernelSpec, p: Plan, rows, programs, ha
         acc[...] = jnp.zeros(acc.shape, _F32)
 
     def tile(i, block, t, chunk_refs):
-        row = block * p.R + t * p.T
-        if p.split:
+        row = block * plan.R + t * plan.T
+        if plan.split:
             st = stat[block]
         else:
-            st = _load(stage[-1].at[lax.rem(i, p.slots), pl.ds(t * p.T, p.T)], p, axis=1)
+            st = _load(
+                stage[-1].at[lax.rem(i, plan.slots), pl.ds(t * plan.T, plan.T)], plan, axis=1
+            )
         r = inv_rms(spec, st)
 
         def dot(c, acc):
             views = chunk_refs(0, c)
-            return acc + _load(views[1], p) * gain(spec, _param(scale, p, c)) * _load(views[0], p)
+            return acc + _load(views[1], plan) * gain(spec, _param(scale, plan, c)) * _load(
+                views[0], plan
+            )
 
         # input_grad's terms (_contract.py), its row sum taken over the row's chunks.
-        mean_term = _row_total(p, lax.fori_loop(0, p.chunks, dot, _zeros(p)))
+        mean_term = _row_total(plan, lax.fori_loop(0, plan.chunks, dot, _zeros(plan)))
         mean_term = mean_term * (r * (1.0 / spec.k))
         if spec.inside:
             alpha = r
         else:
             alpha = jnp.where(st > 0, 1.0 / jnp.where(st > 0, st, 1.0), 0.0)
-        coef, r_wide = _spread(p, mean_term * alpha * r), _spread(p, r)
-        valid = None if p.split else row + _iota(p, 0) < rows
+        coef, r_wide = _spread(plan, mean_term * alpha * r), _spread(plan, r)
+        valid = None if plan.split else row + _iota(plan, 0) < rows
 
         def write(c, carry):
             views = chunk_refs(1, c)
-            xv, dyv = _load(views[0], p), _load(views[1], p)
+            xv, dyv = _load(views[0], plan), _load(views[1], plan)
             correction = xv * coef
             if spec.k < spec.n:
-                correction = jnp.where(_columns(p, c) < spec.k, correction, 0.0)
-            d = r_wide * (dyv * gain(spec, _param(scale, p, c))) - correction
+                correction = jnp.where(_columns(plan, c) < spec.k, correction, 0.0)
+            d = r_wide * (dyv * gain(spec, _param(scale, plan, c))) - correction
             if has_dh:
-                d = d + _load(views[2], p)
-            _store(d, ring, (i * p.tiles + t) * p.chunks + c, _chunk(dx, p, row, c))
+                d = d + _load(views[2], plan)
+            _store(d, ring, (i * plan.tiles + t) * plan.chunks + c, _chunk(dx, plan, row, c))
             terms = [dyv * (xv * r_wide)] if spec.has_scale else []
             terms += [dyv] if spec.has_bias else []
             for acc, term in zip(sums, terms, strict=True):
-                view = _chunk(acc, p, 0, c)
+                view = _chunk(acc, plan, 0, c)
                 if valid is not None:  # rows past the end: their statistic may be inf
                     term = jnp.where(valid, term, 0.0)
-                view[...] = _load(view, p) + term
+                view[...] = _load(view, plan) + term
             return carry
 
-        lax.fori_loop(0, p.chunks, write, 0)
+        lax.fori_loop(0, plan.chunks, write, 0)
 
-    sources = [x, dy] + ([dh] if has_dh else []) + ([] if p.split else [stat])
-    _walk(p, rows, programs, sources, stage, bar, tile)
+    sources = [x, dy] + ([dh] if has_dh else []) + ([] if plan.split else [stat])
+    _walk(plan, rows, programs, sources, stage, bar, tile)
     plgpu.commit_smem()
     pid = lax.axis_index("programs")
     for acc, out in zip(sums, partials, strict=True):
-        plgpu.copy_smem_to_gmem(acc, out.at[pl.ds(pid * p.acc_rows, p.acc_rows)])
+        plgpu.copy_smem_to_gmem(acc, out.at[pl.ds(pid * plan.acc_rows, plan.acc_rows)])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _backward_scratch(p: Plan, spec: KernelSpec, staged, dx_dtype):
+def _backward_scratch(plan: Plan, spec: KernelSpec, staged, dx_dtype):
     sums = [
-        plgpu.SMEM((p.acc_rows, p.J, p.S), _F32)
+        plgpu.SMEM((plan.acc_rows, plan.J, plan.S), _F32)
         for present in (spec.has_scale, spec.has_bias)
         if present
     ]
-    stage = _stage_types(p, staged, stat=not p.split)
-    return [*stage, plgpu.SMEM((2, p.T, p.S), dx_dtype), sums]
+    stage = _stage_types(plan, staged, stat=not plan.split)
+    return [*stage, plgpu.SMEM((2, plan.T, plan.S), dx_dtype), sums]
 
 
 def _call(body, name, programs, out_type, scratch, interpret):
@@ -422,26 +474,26 @@ def forward(
     """
     rows, h_dtype, y_dtype = check_forward(spec, x, scale, bias, residual, h_dtype, _KERNELS)
     res_dtype = None if residual is None else residual.dtype
-    p = plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
-    programs = grid_size(p, rows, programs)
-    shape3 = (rows, p.J, p.S)
+    plan = plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
+    programs = grid_size(plan, rows, programs)
+    shape3 = (rows, plan.J, plan.S)
     out_type = [out_struct(shape3, y_dtype, x), out_struct((rows,), _F32, x)]
     if residual is not None:
         out_type.append(out_struct(shape3, h_dtype, x))
     body = functools.partial(
         _forward_kernel,
         spec=spec,
-        p=p,
+        plan=plan,
         rows=rows,
         programs=programs,
         has_res=residual is not None,
         interpret=interpret,
     )
     staged = [a.dtype for a in (x, residual) if a is not None]
-    scratch = _forward_scratch(p, staged, y_dtype, None if residual is None else h_dtype)
+    scratch = _forward_scratch(plan, staged, y_dtype, None if residual is None else h_dtype)
     kernel = _call(body, "rms_norm_forward", programs, out_type, scratch, interpret)
     rows3 = [a.reshape(shape3) for a in (x, residual) if a is not None]
-    params = [a.reshape(p.J, p.S) for a in (scale, bias) if a is not None]
+    params = [a.reshape(plan.J, plan.S) for a in (scale, bias) if a is not None]
     y, stat, *h = kernel(*rows3, *params)
     return y.reshape(rows, spec.n), stat, (h[0].reshape(rows, spec.n) if h else None)
 
@@ -460,22 +512,22 @@ def backward(
     dh_dtype = None if dh is None else dh.dtype
     # The plan sizes dy by spec.out_dtype (dy is y's cotangent): here by dy's own dtype.
     dy_spec = dataclasses.replace(spec, out_dtype=check_dtype("dy", dy.dtype, _KERNELS))
-    p = plan_or_raise(
+    plan = plan_or_raise(
         dy_spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype
     )
-    programs = grid_size(p, rows, programs)
-    shape3 = (rows, p.J, p.S)
-    partials = out_struct((programs * p.acc_rows, p.J, p.S), _F32, x)
+    programs = grid_size(plan, rows, programs)
+    shape3 = (rows, plan.J, plan.S)
+    partials = out_struct((programs * plan.acc_rows, plan.J, plan.S), _F32, x)
     out_type = [out_struct(shape3, dx_dtype, x)]
     out_type += [partials] * (int(spec.has_scale) + int(spec.has_bias))
     body = functools.partial(
-        _backward_kernel, spec=spec, p=p, rows=rows, programs=programs, has_dh=dh is not None
+        _backward_kernel, spec=spec, plan=plan, rows=rows, programs=programs, has_dh=dh is not None
     )
     staged = [a.dtype for a in (x, dy, dh) if a is not None]
-    scratch = _backward_scratch(p, spec, staged, dx_dtype)
+    scratch = _backward_scratch(plan, spec, staged, dx_dtype)
     kernel = _call(body, "rms_norm_backward", programs, out_type, scratch, interpret)
     args = [x.reshape(shape3), dy.reshape(shape3), stat.astype(_F32)]
-    args += [scale.reshape(p.J, p.S)] if scale is not None else []
+    args += [scale.reshape(plan.J, plan.S)] if scale is not None else []
     args += [dh.reshape(shape3)] if dh is not None else []
     dx, *sums = kernel(*args)
     sums = [s.reshape(-1, spec.n) for s in sums]

@@ -21,19 +21,22 @@ bias together stop at 24576), the forward up to 65536 (bfloat16; float32 streame
 Wider rows, and widths that tile neither way (2880 with both sums), stay on XLA: a row
 split over a cluster's shared memory is not written.
 
-Nothing here is tuned on a GPU (none was at hand): the constants below are first choices
-from the H100's limits (the B200's are the same), each with its reason, for a GPU run
-to revisit.
+The hardware's limits are constants below; the choices a GPU run tunes (chunk and
+block sizes, the widest row tile, blocks an SM) are data, ``data/mosaic_gpu_sizing.json``,
+which says where they come from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from importlib import resources
 
 import numpy as np
 
 from ._contract import KERNEL_DTYPES, KernelSpec, planned_fits
+from ._device import DEFAULT_SMS, target
 
 __all__ = [
     "Plan",
@@ -49,24 +52,26 @@ __all__ = [
 SMEM_BYTES = 227 * 1024
 _MOSAIC_SMEM = 2048
 # Mosaic GPU's barriers (8 bytes each) come after the aligned scratch and are not in
-# ``smem_scratch_bytes``: room for 16 of them (a plan at exactly SMEM_BYTES was 16 over).
+# ``smem_scratch_bytes``: room for 16 of them.
 _BARRIER_BYTES = 128
 # Shared memory of one SM (228 KiB), of which each resident block also reserves 1 KiB.
 _SM_SMEM_BYTES = 228 * 1024
+SIZING = json.loads(
+    resources.files(__package__).joinpath("data/mosaic_gpu_sizing.json").read_text()
+)
 # Float32 elements of one array per thread in a chunk: the forward's chunk math holds a
 # few such arrays, the backward's about eight (x, dy, dx, dh, two sums), under 128
 # registers a thread, so that 4 warpgroups may share an SM.
-_CHUNK_ELEMENTS = {"forward": 16, "backward": 8}
-# Features of a block of rows staged at once (narrow rows): 32 KiB of float32, so that one
-# TMA copy moves enough bytes to keep the memory system busy.
-_BLOCK_ELEMENTS = 8192
+_CHUNK_ELEMENTS: dict[str, int] = SIZING["chunk_elements"]
+# Features of a block of rows staged at once (narrow rows), so that one TMA copy moves
+# enough bytes to keep the memory system busy.
+_BLOCK_ELEMENTS: int = SIZING["block_elements"]
 # Widest row kept in row tiles; wider rows take one row per block (a tile of 8 rows of
-# 4096 features would not leave room for the backward's partial sums in shared memory).
-_MAX_TILE_FEATURES = 2048
+# 4096 features leaves no room for the backward's partial sums in shared memory).
+_MAX_TILE_FEATURES: int = SIZING["max_tile_features"]
 # Blocks (warpgroups) resident on one SM: enough to overlap one block's TMA copies with
 # another's arithmetic; more would cap registers below 128 a thread.
-_MAX_BLOCKS_PER_SM = 4
-_DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
+_MAX_BLOCKS_PER_SM: int = SIZING["max_blocks_per_sm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +125,7 @@ class Plan:
         """Persistent blocks: as many as fit the SMs' shared memory (at most
         ``_MAX_BLOCKS_PER_SM`` an SM), at most one per block of rows."""
         per_sm = min(_MAX_BLOCKS_PER_SM, _SM_SMEM_BYTES // (self.smem + 1024))
-        return max(1, min(self.blocks(rows), (sms or _DEFAULT_SMS) * per_sm))
+        return max(1, min(self.blocks(rows), (sms or DEFAULT_SMS) * per_sm))
 
 
 def _pow2_part(m: int, cap: int = 32) -> int:
@@ -271,10 +276,8 @@ def grid_size(p: Plan, rows: int, programs: int | None = None) -> int:
     """The persistent grid of a call: ``programs`` if given (checked), else
     :meth:`Plan.programs` on the SMs of the GPU being compiled for (an H100's 132 where
     none is known)."""
-    from .triton_sizing import multiprocessors
-
     if programs is None:
-        return p.programs(rows, multiprocessors())
+        return p.programs(rows, target().sms)
     if not 1 <= programs <= p.blocks(rows):
         raise ValueError(
             f"programs must be between 1 and the {p.blocks(rows)} row blocks of this call, "

@@ -1,6 +1,6 @@
 """Pallas Mosaic kernels for TPU (v4 to TPU7x): one pass forward, one pass backward.
 
-The contract (``fits``, ``forward``, ``backward``) is ``_contract.py``'s and so is the
+The contract (``_contract.Backend``) is ``_contract.py``'s and so is the
 maths: the kernel bodies call its per-row helpers on float32 blocks loaded from VMEM.
 Blocks are whole rows (``mosaic_tpu_plan.py`` sizes them), so a row's statistic and its
 normalisation happen in the same pass over HBM:
@@ -39,9 +39,23 @@ from ._contract import (
 )
 from .mosaic_tpu_plan import LANES, PARTIAL_ROWS, Plan, backward_row_map, fits, plan
 
-__all__ = ["backward", "fits", "forward"]
+__all__ = ["LABEL", "NAME", "PLATFORM", "backward", "deprecated", "fits", "forward", "unusable"]
 
+NAME = "mosaic_tpu"
+LABEL = "Mosaic TPU"
+PLATFORM = "tpu"
 _KERNELS = "the Mosaic TPU kernels"
+
+
+def unusable(target) -> str | None:
+    """None: every TPU generation from v4 runs them (one not known gets v4's sizes,
+    which fit them all: ``mosaic_tpu_plan.generation``)."""
+    return None
+
+
+def deprecated(version: str) -> str | None:
+    """None: Pallas' Mosaic TPU backend is jax's own, not deprecated."""
+    return None
 
 
 def _pallas_call(body, p: Plan, specs, semantics, interpret: bool, kind: str):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._contract import KernelSpec, planned_fits
+from ._device import target
 
 __all__ = ["GENERATIONS", "Generation", "Operand", "Plan", "fits", "generation", "plan"]
 
@@ -76,9 +77,9 @@ _DEVICE_KINDS = {
     "TPU7x": "tpu7x",
 }
 
-# Float32 temporaries of a block that the bodies hold at once, per element: one more than
-# deviceless v4 compiles were found to need (docs/kernels.md); the tests compile both
-# kernels at the widest rows that fit, on every generation.
+# Float32 temporaries of a block that the bodies hold at once, per element, with one to
+# spare (docs/kernels.md says how they were calibrated); the tests compile both kernels
+# at the widest rows that fit, on every generation.
 _FWD_TEMPS = 3
 _BWD_TEMPS = 6
 _MAX_BLOCK_ROWS = 1024
@@ -100,12 +101,9 @@ def generation(name: str | None = None) -> Generation:
                 f"unknown TPU generation {name!r}; give one of {', '.join(GENERATIONS)}."
             )
         return GENERATIONS[name]
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    kind = getattr(device, "device_kind", None)
-    if kind is None:
-        default = jax.devices()[0]
-        kind = default.device_kind if default.platform == "tpu" else None
-    return GENERATIONS.get(_DEVICE_KINDS.get(kind or "", ""), _ANY)
+    device = target()
+    kind = device.kind if device.platform == "tpu" else ""
+    return GENERATIONS.get(_DEVICE_KINDS.get(kind, ""), _ANY)
 
 
 def _sublanes(dtype) -> int:

@@ -1,6 +1,6 @@
 """Pallas-Triton kernels for NVIDIA GPUs: RMSNorm in one pass forward and one pass backward.
 
-The contract is ``_contract.py``'s (``fits``, ``forward``, ``backward``); the maths is its
+The contract is ``_contract.py``'s (``Backend``); the maths is its
 per-row helpers, called on float32 blocks inside the kernel bodies, so these kernels and
 the XLA path (``_xla/passes.py``) compute the same formula:
 
@@ -78,18 +78,36 @@ from .triton_sizing import (
     warps_or_default,
 )
 
-__all__ = ["backward", "fits", "forward"]
+__all__ = ["LABEL", "NAME", "PLATFORM", "backward", "deprecated", "fits", "forward", "unusable"]
 
 _F32 = jnp.float32
+NAME = "triton"
+LABEL = "Triton"
+PLATFORM = "cuda"
 _KERNELS = "the Triton kernels"
+
+
+def unusable(target) -> str | None:
+    """None: jax's Pallas-Triton lowers for every NVIDIA GPU it runs on (the registry,
+    ``_select.py``, imports this module only where jax ships Pallas-Triton)."""
+    return None
+
+
+def deprecated(version: str) -> str | None:
+    """Why ``"auto"`` must not take these kernels with jax ``version``: jax 0.11
+    deprecated Pallas-Triton, and from there every lowering for a GPU warns."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) < (0, 11):
+        return None
+    return f"jax {version} deprecates Pallas-Triton (a warning at every GPU lowering)"
 
 
 def fits(spec: KernelSpec, rows: int, x_dtype, **call_dtypes) -> bool:
     """Whether these kernels take the call: float32, bfloat16 or float16 input and
     output, at least one row, and at most ``triton_sizing.MAX_FEATURES`` (8192) features
     (wider rows spill registers in the backward, so they stay on XLA). The call's other
-    dtypes (``kind``, ``residual_dtype``, ``h_dtype``, ``dx_dtype``, as
-    ``mosaic_tpu.fits`` takes them) do not change it.
+    dtypes (``kind``, ``residual_dtype``, ``h_dtype``, ``dx_dtype``: ``_contract.Backend``)
+    do not change it.
 
     >>> import numpy as np
     >>> spec = KernelSpec(n=16384, k=16384, eps=1e-6, inside=True, scale_offset=0.0,

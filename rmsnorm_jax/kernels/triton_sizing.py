@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from importlib import resources
 
-import jax
 from jax.experimental import pallas as pl
+
+from ._device import target
 
 SIZING = json.loads(resources.files(__package__).joinpath("data/triton_sizing.json").read_text())
 # Rows per block: this many elements // padded features (16 KiB of float32 in flight).
@@ -29,7 +30,6 @@ MAX_FEATURES = SIZING["max_features"]
 _BACKWARD_SIZING = tuple(
     (row["max_features"], row["warps"], row["programs_per_sm"]) for row in SIZING["backward"]
 )
-_DEFAULT_SMS = 132  # an H100 SXM, where the GPU being compiled for is not known
 _MIN_ROWS_PER_PROGRAM = 4
 # Interpret mode copies the whole array for every block it loads (CPU tests), so there
 # blocks grow until a call has at most this many.
@@ -54,20 +54,6 @@ def num_warps(n: int, rows_per_block: int) -> int:
     return int(min(max(elements // (32 * _ELEMENTS_PER_THREAD), 1), _MAX_WARPS))
 
 
-def multiprocessors() -> int:
-    """The SMs of the GPU being compiled for: the device of the abstract mesh being
-    traced for (``rmsnorm_jax.aot`` targets, ``jax.set_mesh``), else the default GPU,
-    else an H100's 132."""
-    try:
-        cores = getattr(jax.sharding.get_abstract_mesh().abstract_device, "num_cores", None)
-    except (AttributeError, ValueError):  # no mesh, or one without a device kind
-        cores = None
-    if not cores:
-        device = jax.devices()[0]
-        cores = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return int(cores) if cores and cores > 1 else _DEFAULT_SMS
-
-
 def backward_warps(n: int, rows_per_block: int) -> int:
     """The backward's warps per program (``_BACKWARD_SIZING``)."""
     for largest, warps, _ in _BACKWARD_SIZING:
@@ -78,10 +64,10 @@ def backward_warps(n: int, rows_per_block: int) -> int:
 
 def backward_programs(n: int, rows: int, rows_per_block: int, sms: int | None = None) -> int:
     """The backward's persistent programs: ``_BACKWARD_SIZING``'s programs per SM on
-    each of the ``sms`` SMs (default :func:`multiprocessors`), fewer (down to one per
+    each of the ``sms`` SMs (default: the GPU being compiled for's), fewer (down to one per
     SM) where a program would get fewer than 4 rows, at most one per row block, and
     above one per SM a whole multiple of the SMs (no partial wave)."""
-    sms = multiprocessors() if sms is None else sms
+    sms = target().sms if sms is None else sms
     per_sm = next((p for largest, _, p in _BACKWARD_SIZING if n <= largest), 1)
     enough_rows = max(sms, pl.cdiv(rows, _MIN_ROWS_PER_PROGRAM))
     programs = max(1, min(pl.cdiv(rows, rows_per_block), sms * per_sm, enough_rows))

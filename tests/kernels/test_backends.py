@@ -18,39 +18,29 @@ import pytest
 from helpers import assert_close, check_kernel_outputs, kernel_inputs, kernel_oracle, to64, tol
 from helpers import kernel_spec as _spec
 
-from rmsnorm_jax.kernels import _dispatch, mosaic_gpu, mosaic_tpu, triton
+from rmsnorm_jax.kernels import BACKENDS, _device, _select
 from rmsnorm_jax.reference import rms_norm_reference
 
 pytestmark = pytest.mark.newest
 EPS = 1e-5
 
-# name: (module, the jax platform it runs compiled on)
-BACKENDS = {"triton": (triton, "gpu"), "mosaic_tpu": (mosaic_tpu, "tpu")}
-BACKENDS["mosaic_gpu"] = (mosaic_gpu, "gpu")
 
-
-def _usable(name: str) -> str | None:
-    """Why ``name``'s kernels cannot run here, or None."""
-    if name == "mosaic_gpu" and not mosaic_gpu.available():
-        return f"the Mosaic GPU kernels need jax >= 0.11.2 (this is jax {jax.__version__})"
-    if name == "mosaic_gpu" and jax.default_backend() == "gpu":
-        capability = _dispatch.compute_capability(jax.devices()[0])
-        if capability is None or capability[0] not in (9, 10):
-            return f"the Mosaic GPU kernels need Hopper or Blackwell, not {capability}"
-    if name == "triton" and not _dispatch.triton_ships():
-        return f"jax {jax.__version__} no longer ships Pallas-Triton"
-    return None
+def _usable(name: str):
+    """``(module, None)`` of the backend ``name``, or ``(None, why it cannot run here)``."""
+    module, why = _select.load(name)
+    if module is None:
+        return None, why
+    return module, module.unusable(_device.target())
 
 
 @pytest.fixture(params=list(BACKENDS))
 def backend(request):
     """``(module, interpret)`` of one backend: compiled on its own platform, interpreted
     elsewhere."""
-    reason = _usable(request.param)
+    module, reason = _usable(request.param)
     if reason is not None:
         pytest.skip(reason)
-    module, platform = BACKENDS[request.param]
-    return module, jax.default_backend() != platform
+    return module, _device.target().platform != module.PLATFORM
 
 
 def _taken(module, spec, rows, dtype, **dtypes):

@@ -24,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 
 import rmsnorm_jax
 from rmsnorm_jax import add_rms_norm, aot, gated_rms_norm, kernels, rms_norm
-from rmsnorm_jax._config import norm_config
 from rmsnorm_jax.reference import rms_norm_reference
 
 pytestmark = pytest.mark.newest
@@ -90,18 +89,19 @@ def test_auto_is_the_xla_path_where_nothing_was_measured():
 
 
 def _win(**kw):
-    fields = dict(op="rms_norm", platform="cpu", device_kind="", dtypes=("float32",))
-    fields.update(features=(64, 256), min_bytes=0, source="a test")
+    fields = dict(op="rms_norm", backend="triton", platform="cpu", device_kind="")
+    fields.update(dtypes=("float32",), features=(64, 256), smallest_bytes=0)
+    fields.update(jax=(jax.__version__,), results="a test", command="-", commit="-")
     fields.update(kw)
     return kernels.Measurement(**fields)
 
 
 def test_auto_takes_the_kernels_exactly_where_a_measurement_says(monkeypatch):
-    """A win recorded for this platform, dtype, width and size puts "auto" on the kernels
-    (on that platform only); any other call stays on XLA."""
-    from rmsnorm_jax.kernels import _dispatch
+    """A win recorded for this platform, dtype, width, size and jax puts "auto" on the
+    kernels (on that platform only); any other call stays on XLA."""
+    from rmsnorm_jax.kernels import _measured
 
-    monkeypatch.setattr(_dispatch, "MEASURED", (_win(),))
+    monkeypatch.setattr(_measured, "MEASURED", (_win(),))
     x, scale, *_ = _inputs((4, 128), jnp.float32)
     assert "pallas_call" in _jaxpr("auto", x, scale)
     got = jax.grad(lambda x, s: jnp.sum(rms_norm(x, s, implementation="auto") ** 2), (0, 1))
@@ -112,46 +112,93 @@ def test_auto_takes_the_kernels_exactly_where_a_measurement_says(monkeypatch):
         _inputs((4, 512), jnp.float32)[:2],  # a width outside the range
     ]:
         assert "pallas_call" not in _jaxpr("auto", *other)
-    monkeypatch.setattr(_dispatch, "MEASURED", (_win(min_bytes=1 << 20),))
-    assert "pallas_call" not in _jaxpr("auto", x, scale)  # smaller than measured
-    monkeypatch.setattr(_dispatch, "MEASURED", (_win(op="add_rms_norm"),))
-    assert "pallas_call" not in _jaxpr("auto", x, scale)  # another function's win
+    for win in [
+        _win(smallest_bytes=1 << 20),  # smaller than measured
+        _win(op="add_rms_norm"),  # another function's win
+        _win(platform="cuda"),  # measured on another platform
+        _win(jax=("0.9",)),  # measured on another jax
+    ]:
+        monkeypatch.setattr(_measured, "MEASURED", (win,))
+        assert "pallas_call" not in _jaxpr("auto", x, scale), win
+    monkeypatch.setattr(_measured, "MEASURED", (_win(op="add_rms_norm"),))
     y = add_rms_norm(x, x, scale, implementation="auto")
     assert "pallas_call" in str(jax.make_jaxpr(lambda x: add_rms_norm(x, x, scale))(x))
     _close(y, add_rms_norm(x, x, scale, implementation="xla"), 2e-5)
-    monkeypatch.setattr(_dispatch, "MEASURED", (_win(platform="cuda"),))
-    assert "pallas_call" not in _jaxpr("auto", x, scale)  # measured on another platform
 
 
-def test_auto_on_an_h200_and_where_pallas_triton_warns(monkeypatch):
-    """The committed H200 wins (Triton kernels): taken on an H200, on no other GPU, and
-    not at all where this jax deprecates Pallas-Triton (jax >= 0.11 warns at every Triton
-    lowering: "auto" is XLA there, and no warning reaches its user)."""
-    from rmsnorm_jax.kernels import _dispatch
-
-    monkeypatch.setattr(_dispatch, "triton_quiet", lambda: True)
-    spec = kernels.KernelSpec(4096, 4096, 1e-6, True, 0.0, True, False, np.dtype("float32"))
-    x = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
-    h200, h100 = ("cuda", "NVIDIA H200"), ("cuda", "NVIDIA H100 80GB HBM3")
-    assert _dispatch.measured_win("rms_norm", spec, x, h200).device_kind == "H200"
-    assert _dispatch.measured_win("add_rms_norm", spec, x, h200) is not None
-    wide = dataclasses.replace(spec, n=8192, k=8192)
-    assert _dispatch.measured_win("rms_norm", wide, x, h200) is None  # 1.03-1.18x: XLA
-    assert _dispatch.measured_win("add_rms_norm", wide, x, h200) is not None
-    small = jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16)
-    assert _dispatch.measured_win("rms_norm", spec, small, h200) is None  # not measured
-    assert _dispatch.measured_win("rms_norm", spec, x, h100) is None
-    assert _dispatch.measured_win("rms_norm", spec, x, ("tpu", "TPU v5 lite")) is None
-    monkeypatch.setattr(_dispatch, "triton_quiet", lambda: False)
-    assert _dispatch.measured_win("rms_norm", spec, x, h200) is None
+H200 = kernels.Target.gpu("NVIDIA H200", 132)
+H100 = kernels.Target.gpu("NVIDIA H100 80GB HBM3", 132)
 
 
-def test_triton_is_quiet_only_before_jax_0_11():
-    """``triton_quiet`` is what the installed jax does: jax 0.11 deprecated Pallas-Triton."""
-    from rmsnorm_jax.kernels import _dispatch
+def _auto(op, shape, dtype, target, version, monkeypatch=None, wins=None):
+    """The "auto" route of ``op`` on ``shape`` for ``target`` and jax ``version``."""
+    if wins is not None:
+        from rmsnorm_jax.kernels import _measured
 
-    major, minor = (int(p) for p in jax.__version__.split(".")[:2])
-    assert _dispatch.triton_quiet() == ((major, minor) < (0, 11))
+        monkeypatch.setattr(_measured, "MEASURED", wins)
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    scale = jax.ShapeDtypeStruct(shape[-1:], jnp.float32)
+    args = (x, x, scale) if op == "add_rms_norm" else (x, scale)
+    fn = add_rms_norm if op == "add_rms_norm" else rms_norm
+    return kernels.route_of(fn, *args, target=target, jax_version=version)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_auto_applies_a_win_only_on_the_jax_it_holds_for(op, monkeypatch):
+    """The committed H200 wins (Triton kernels) hold for jax 0.11.2, where Pallas-Triton
+    is deprecated: "auto" takes no backend that warns, so it is XLA there, and on jax
+    0.10 and 0.12, where nothing was measured. A win that held for a jax where Triton is
+    quiet would be taken, on an H200 only."""
+    shape = (8192, 4096)
+    for version in ("0.10.2", "0.11.2", "0.12.0"):
+        found = _auto(op, shape, jnp.bfloat16, H200, version)
+        assert found.spec is None, (version, found)
+    assert "warns" in _auto(op, shape, jnp.bfloat16, H200, "0.11.2").reason
+    older = _auto(op, shape, jnp.bfloat16, H200, "0.10.2").reason
+    assert "measured on jax 0.11.2, not 0.10.2" in older
+    quiet = tuple(dataclasses.replace(m, jax=("0.10",)) for m in kernels.MEASURED)
+    found = _auto(op, shape, jnp.bfloat16, H200, "0.10.2", monkeypatch, quiet)
+    assert found.spec is not None
+    cuda = {kind: c for p, kind, c in found.choices if p == "cuda"}
+    assert cuda["forward"].backend == cuda["backward"].backend == "triton"
+    assert "h200-4ce9679" in cuda["forward"].reason
+    assert all(c.backend is None for p, _, c in found.choices if p != "cuda")
+    assert _auto(op, shape, jnp.bfloat16, H100, "0.10.2").spec is None  # not measured
+    assert _auto(op, (8, 4096), jnp.bfloat16, H200, "0.10.2").spec is None  # too small
+    wide = _auto(op, (8192, 8192), jnp.bfloat16, H200, "0.10.2")
+    assert (wide.spec is not None) == (op == "add_rms_norm")  # rms_norm: 1.03-1.18x at 8192
+
+
+def test_mosaic_gpu_wins_on_hopper_where_this_jax_has_it():
+    """``"pallas"`` takes Mosaic GPU on an H100 where this jax has ``plgpu.kernel``, Triton
+    where it has not, and Triton on an A100 (not Hopper) on every jax that ships it."""
+    from rmsnorm_jax.kernels import mosaic_gpu
+
+    x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+    for target, hopper in ((H100, True), (kernels.Target.gpu("NVIDIA A100-SXM4-80GB"), False)):
+        found = kernels.route_of(rms_norm, x, implementation="pallas", target=target)
+        gpu = {c.backend for p, _, c in found.choices if p == "cuda"}
+        want = "mosaic_gpu" if hopper and mosaic_gpu.available() else "triton"
+        assert gpu == {want}, (target, found.choices)
+
+
+def test_the_measured_wins_are_the_committed_measurement_and_say_where():
+    """Every win names its results file, the command and head that wrote it, and the jax
+    it holds for, and they are the file's own."""
+    for win in kernels.MEASURED:
+        saved = json.loads((ROOT / win.results).read_text())
+        assert win.jax == (saved["jax"],) and win.commit in win.results
+        assert saved["sections"]["ops"]["command"].startswith(win.command), win
+        assert saved["device"].endswith(win.device_kind)
+        rows = saved["sections"]["ops"]["results"]
+        inside = [
+            r["x_bytes"]
+            for r in rows
+            if r["impl"] == f"{win.op} [pallas]"
+            and win.features[0] <= r["features"] <= win.features[1]
+            and r["dtype"] in win.dtypes
+        ]
+        assert min(inside) == win.smallest_bytes, win
 
 
 def _h200_medians(op: str) -> dict:
@@ -180,29 +227,27 @@ def test_the_measured_wins_are_the_committed_measurement(op):
     for (mib, n, dtype), (xla, kernel) in medians.items():
         inside = win.features[0] <= n <= win.features[1] and dtype in win.dtypes
         assert (kernel < xla) == inside, (op, mib, n, dtype, kernel / xla)
-    assert "benchmarks/results/h200-4ce9679/h200-measured.json" in win.source
+    assert win.results == "benchmarks/results/h200-4ce9679/h200-measured.json"
 
 
-def _spec(shape=(4, 64), dtype=jnp.float32, **kw):
-    args = dict(scale=None, eps=1e-6, bias=None, axis=-1, p=1.0, scale_offset=0.0)
-    args.update(eps_placement="inside", dtype=None, axis_name=None, mask=None)
-    args.update(kw)
-    cfg, scale, bias, mask = norm_config(jax.ShapeDtypeStruct(shape, dtype), **args)
-    return kernels.use_kernels("pallas", cfg, jnp.zeros(shape, dtype), scale, bias, mask)
+def _route(shape=(4, 64), dtype=jnp.float32, **kw):
+    """The "pallas" route of ``rms_norm`` on ``shape``: its spec, or None (XLA)."""
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    return kernels.route_of(rms_norm, x, implementation="pallas", **kw).spec
 
 
 def test_what_the_kernels_take_and_what_stays_on_xla():
     n = 64
-    assert _spec() is not None
-    assert _spec((2, 3, n), jnp.bfloat16, scale=jnp.ones(n), bias=jnp.ones(n), p=0.25).k == 16
-    assert _spec(scale=jnp.ones((1, n))) is not None  # a Module's broadcast-shaped scale
+    assert _route() is not None
+    assert _route((2, 3, n), jnp.bfloat16, scale=jnp.ones(n), bias=jnp.ones(n), p=0.25).k == 16
+    assert _route(scale=jnp.ones((1, n))) is not None  # a Module's broadcast-shaped scale
     # XLA: a mask, several axes, an axis other than the last, float64, a scale per row.
-    assert _spec(mask=jnp.ones((4, n), bool)) is None
-    assert _spec((4, 8, 8), axis=(1, 2)) is None
-    assert _spec((4, n), axis=0) is None
-    assert _spec(scale=jnp.ones((4, n))) is None
+    assert _route(mask=jnp.ones((4, n), bool)) is None
+    assert _route((4, 8, 8), axis=(1, 2)) is None
+    assert _route((4, n), axis=0) is None
+    assert _route(scale=jnp.ones((4, n))) is None
     with jax.enable_x64(True):
-        assert _spec(dtype=jnp.float64) is None
+        assert _route(dtype=jnp.float64) is None
 
 
 # ---------------------------------------------------------------- numerics through the API
@@ -505,55 +550,94 @@ def test_h100_kernels_inside_a_checked_shard_map():
 # ---------------------------------------------------------------- which path
 
 
+def _gpu_label() -> str:
+    from rmsnorm_jax.kernels import mosaic_gpu
+
+    return "Mosaic GPU" if mosaic_gpu.available() else "Triton"
+
+
 @pytest.mark.parametrize(
     "kwargs, expected",
     [
-        (dict(implementation="xla"), r"^xla: implementation='xla'"),
-        (dict(implementation="auto"), r"^xla: 'auto' takes the kernels only where.*none is for"),
-        (dict(mask=jnp.ones((4, 1000), bool)), r"^xla: the kernels do not take a mask"),
+        (dict(implementation="xla"), r"^xla: implementation='xla'$"),
+        (dict(), r"^xla: 'auto': no measured win covers rms_norm on cpu \(cpu\), float32, 1000"),
+        (dict(mask=jnp.ones((4, 1000), bool)), r"^xla: the kernels do not take a mask$"),
         (dict(axis=0), r"^xla: .*normalized axes \(0,\)"),
         (dict(x=jax.ShapeDtypeStruct((4, 1000), np.float64)), r"^xla: .*float64"),
         (dict(scale=jnp.ones((4, 1000))), r"^xla: .*not one value per feature"),
-        (dict(), r"^pallas: GPU: {gpu}; TPU: Mosaic TPU .*; CPU: the Triton kernels in"),
-        (dict(x=jax.ShapeDtypeStruct((4, 1 << 18), jnp.float32)), r"^pallas: GPU: XLA \(the row"),
+        (
+            dict(implementation="pallas"),
+            r"^pallas: GPU: {gpu}; TPU: Mosaic TPU; CPU: Triton in interpret mode$",
+        ),
+        (
+            dict(x=jax.ShapeDtypeStruct((4, 1 << 18), jnp.float32), implementation="pallas"),
+            r"^xla: no platform takes the kernels: GPU: XLA \(the row does not fit",
+        ),
     ],
 )
 def test_explain_names_the_path_and_why(kwargs, expected):
     """``kernels.explain`` tells which path a call takes, and why, without running it:
     on a GPU, the Mosaic GPU kernels where this jax has them, else Triton."""
-    from rmsnorm_jax import kernels
-    from rmsnorm_jax.kernels import _dispatch
-
-    gpu = {"mosaic_gpu": "Mosaic GPU", "triton": "Triton"}[_dispatch.gpu_backend()]
-    expected = expected.format(gpu=gpu)
+    expected = expected.format(gpu=_gpu_label())
     args = dict(x=jax.ShapeDtypeStruct((4, 1000), jnp.float32))
     args.update(kwargs)
-    with jax.enable_x64(args["x"].dtype == jnp.float64):
-        assert re.search(expected, kernels.explain(**args)), kernels.explain(**args)
+    x = args.pop("x")
+    with jax.enable_x64(x.dtype == jnp.float64):
+        said = kernels.explain(rms_norm, x, **args)
+    assert re.search(expected, said), said
 
 
-def test_explain_describes_a_call_with_rms_norms_own_defaults():
-    """``explain`` fills what the caller leaves out with ``rms_norm``'s defaults (held in
-    ``_config.norm_config``, which describes a call without making it), refuses what
-    rms_norm refuses, and names an unknown keyword."""
-    import inspect
-
-    from rmsnorm_jax import _config
-
-    ours = inspect.signature(rms_norm).parameters
-    theirs = inspect.signature(_config.norm_config).parameters
-    for name, param in ours.items():
-        if name in ("x", "implementation"):
-            continue
-        assert theirs[name].default == param.default, name
-    assert set(ours) - {"implementation"} == set(theirs) - {"promote_with"}
+def test_explain_runs_the_call_itself():
+    """``explain`` runs the function's own checks and defaults (``"auto"``), for all three
+    functions and for anything that calls one (a Module's ``apply``), and refuses a
+    function that calls none."""
     x = jax.ShapeDtypeStruct((4, 1000), jnp.float32)
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['bogus'\]"):
-        kernels.explain(x, bogus=1)
+    assert kernels.explain(rms_norm, x) == kernels.explain(rms_norm, x, implementation="auto")
+    assert kernels.explain(add_rms_norm, x, x).startswith("xla: 'auto': no measured win covers")
+    for impl in ("auto", "pallas", "xla"):
+        said = kernels.explain(gated_rms_norm, x, x, implementation=impl)
+        want = "implementation='xla'" if impl == "xla" else "no fused kernel for gated_rms_norm"
+        assert said.startswith("xla: ") and want in said, said
+    layer = rmsnorm_jax.RMSNorm(implementation="pallas")
+    variables = layer.init(jax.random.key(0), jnp.ones((4, 1000)))
+    said = kernels.explain(lambda x: layer.apply(variables, x), x)
+    assert said == kernels.explain(rms_norm, x, implementation="pallas"), said
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        kernels.explain(rms_norm, x, bogus=1)
     with pytest.raises(TypeError, match="x must be a real floating-point array"):
-        kernels.explain(jax.ShapeDtypeStruct((4, 1000), jnp.int32))
+        kernels.explain(rms_norm, jax.ShapeDtypeStruct((4, 1000), jnp.int32))
     with pytest.raises(ValueError, match="p must be in"):
-        kernels.explain(x, p=2.0)
+        kernels.explain(rms_norm, x, p=2.0)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        kernels.explain(add_rms_norm, x, x, implementation="triton")
+    with pytest.raises(TypeError, match="made no call of rms_norm"):
+        kernels.explain(jnp.sin, x)
+
+
+@pytest.mark.parametrize(
+    "op, shape, implementation",
+    [
+        ("rms_norm", (4, 64), "pallas"),
+        ("rms_norm", (4, 1 << 18), "pallas"),
+        ("rms_norm", (4, 64), "auto"),
+        ("add_rms_norm", (4, 64), "pallas"),
+        ("add_rms_norm", (4, 64), "xla"),
+    ],
+)
+def test_explain_is_what_the_call_does(op, shape, implementation):
+    """Where ``explain``'s route takes the kernels, the traced gradient holds them, and
+    where it says XLA, it holds none: the two run the same ``route``."""
+    fn = add_rms_norm if op == "add_rms_norm" else rms_norm
+    x = jnp.ones(shape, jnp.float32)
+    args = (x, x) if op == "add_rms_norm" else (x,)
+    found = kernels.route_of(fn, *args, implementation=implementation)
+
+    def loss(x):
+        out = fn(*((x, x) if op == "add_rms_norm" else (x,)), implementation=implementation)
+        return sum(jnp.sum(o) for o in jax.tree.leaves(out))
+
+    traced = str(jax.make_jaxpr(jax.grad(loss))(x))
+    assert (found.spec is not None) == ("pallas_call" in traced), found
 
 
 def test_the_kernels_never_import_the_functions_above_them():

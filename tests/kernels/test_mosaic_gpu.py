@@ -29,7 +29,7 @@ from helpers import kernel_spec as _spec
 from jax.sharding import PartitionSpec as P
 
 from rmsnorm_jax import aot
-from rmsnorm_jax.kernels import mosaic_gpu
+from rmsnorm_jax.kernels import mosaic_gpu, mosaic_gpu_sizing
 from rmsnorm_jax.reference import rms_norm_reference
 
 pytestmark = [
@@ -73,8 +73,8 @@ def test_wide_rows_staged_forward_and_streamed_backward():
     backward's two sums leave no room for the row: streamed. Free of data races."""
     spec = _spec(16384, jnp.float32, offset=1.0)
     x, scale, bias, dy = kernel_inputs(3, 16384, jnp.float32, seed=8)
-    assert not mosaic_gpu.plan(spec, 3, jnp.float32, "forward").stream
-    assert mosaic_gpu.plan(spec, 3, jnp.float32, "backward").stream
+    assert not mosaic_gpu_sizing.plan(spec, 3, jnp.float32, "forward").stream
+    assert mosaic_gpu_sizing.plan(spec, 3, jnp.float32, "backward").stream
     got = _run(spec, x, scale, bias, dy, interpret=_race_checked())
     check_kernel_outputs(spec, jnp.float32, x, scale, bias, dy, got)
 
@@ -87,9 +87,9 @@ def test_persistent_backward_partials_hold_each_programs_rows(n, rows, programs)
     races (slots refilled while the other is read, rings, the statistic's ring)."""
     spec = _spec(n, jnp.float32, eps=0.0, inside=False)
     x, scale, bias, dy = kernel_inputs(rows, n, jnp.float32, seed=7)
-    plan = mosaic_gpu.plan(spec, rows, jnp.float32, "backward")
+    plan = mosaic_gpu_sizing.plan(spec, rows, jnp.float32, "backward")
     races = _race_checked()
-    forward_blocks = mosaic_gpu.plan(spec, rows, jnp.float32, "forward").blocks(rows)
+    forward_blocks = mosaic_gpu_sizing.plan(spec, rows, jnp.float32, "forward").blocks(rows)
     _, stat, _ = mosaic_gpu.forward(
         spec, x, scale, bias, interpret=races, programs=min(programs, forward_blocks)
     )
@@ -199,10 +199,10 @@ def test_h100_compile_is_two_mosaic_gpu_kernels_without_spills(n, dtype, tmp_pat
     for kernel, (registers, stores, loads) in ptxas.items():
         assert registers <= 255 and stores == loads == 0, (kernel, registers, stores, loads)
     res_dtype = jnp.float32 if residual else None
-    fwd = mosaic_gpu.plan(spec, rows, dtype, "forward", residual_dtype=res_dtype,
+    fwd = mosaic_gpu_sizing.plan(spec, rows, dtype, "forward", residual_dtype=res_dtype,
                           h_dtype=res_dtype)  # fmt: skip
     x_dtype = jnp.float32 if residual else dtype
-    bwd = mosaic_gpu.plan(spec, rows, x_dtype, "backward", residual_dtype=res_dtype,
+    bwd = mosaic_gpu_sizing.plan(spec, rows, x_dtype, "backward", residual_dtype=res_dtype,
                           dx_dtype=x_dtype)  # fmt: skip
     smem = _smem(tmp_path)
     assert sorted(smem.values()) == sorted([fwd.smem, bwd.smem]), (smem, fwd, bwd)
