@@ -6,10 +6,10 @@
   ``"auto"`` acts on, and the one function that matches them.
 - ``_contract.py``: :class:`Backend`, what every backend module is, and the per-row maths
   they share.
-- The backends: ``mosaic_gpu.py`` (+ ``mosaic_gpu_sizing.py``): Mosaic GPU, Hopper and
-  Blackwell; ``triton.py`` (+ ``triton_sizing.py``): Pallas-Triton, NVIDIA GPUs (on a CPU
-  in interpret mode, for tests); ``mosaic_tpu.py`` (+ ``mosaic_tpu_plan.py``): TPU v4 to
-  TPU7x. Their tuned sizes are ``data/*.json``.
+- The backends: ``mosaic_gpu.py`` (+ ``mosaic_gpu_sizing.py``, ``mosaic_gpu_memory.py``):
+  Mosaic GPU, Hopper and Blackwell; ``triton.py`` (+ ``triton_sizing.py``): Pallas-Triton,
+  NVIDIA GPUs (on a CPU in interpret mode, for tests); ``mosaic_tpu.py`` (+
+  ``mosaic_tpu_plan.py``): TPU v4 to TPU7x. Their tuned sizes are ``data/*.json``.
 - ``_device.py``: the device being compiled for.
 - ``_ops.py``: the two norms on the kernel path, with the XLA path's residuals and rules.
 - ``_launch.py``: each platform's choice, each device's rows, ``vmap``.

@@ -3,8 +3,10 @@
 The contract is ``_contract.py``'s (``Backend``) and the maths its
 per-row helpers, as in the Pallas-Triton kernels (``triton.py``). Each kernel is one
 ``plgpu.kernel`` lowered with Mosaic GPU's lane semantics (explicit register layouts) of
-one warpgroup (128 threads) per block. The schedule (``mosaic_gpu_sizing.plan``, whose
-constants say why each is chosen; none is tuned on a GPU yet):
+one warpgroup (128 threads) per block; how a chunk is laid out, loaded and stored, and
+how the persistent grid walks the rows, is ``mosaic_gpu_memory.py``. The schedule
+(``mosaic_gpu_sizing.plan``, whose constants say why each is chosen; none is tuned on a
+GPU yet):
 
 - A row is J splits of S <= 256 features, so that R rows are one TMA copy ``(R, J, S)``
   (a TMA box holds at most 256 elements an axis). A persistent grid (as many blocks as
@@ -35,14 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._rounding import added
@@ -56,6 +55,20 @@ from ._contract import (
     normalized,
     out_struct,
     stat_from_ms,
+)
+from .mosaic_gpu_memory import (
+    F32,
+    chunk,
+    columns,
+    iota,
+    load,
+    param,
+    row_total,
+    spread,
+    stage_types,
+    store,
+    walk,
+    zeros,
 )
 from .mosaic_gpu_sizing import Plan, fits, grid_size, plan_or_raise
 
@@ -75,11 +88,6 @@ NAME = "mosaic_gpu"
 LABEL = "Mosaic GPU"
 PLATFORM = "cuda"
 _KERNELS = "the Mosaic GPU kernels"
-
-_F32 = jnp.float32
-# plgpu.load(ref, *, layout, optimized) since jax 0.11 (0.10 also took an index): typed
-# loosely so that a type check against either passes.
-_plgpu_load: Callable[..., Any] = plgpu.load
 
 
 def available() -> bool:
@@ -109,194 +117,6 @@ def deprecated(version: str) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- layout and views
-
-
-@functools.cache
-def _layout(lanes: int, v: int):
-    """Threads hold v consecutive features; ``lanes`` lanes across a chunk's features,
-    the other ``32 / lanes`` lanes and the 4 warps across its rows."""
-    rows = 32 // lanes
-    tiling = fa.Tiling(((4 * rows, lanes * v), (rows, lanes * v), (1, v)))
-    tiled = fa.TiledLayout(
-        tiling, warp_dims=(-6, -5), lane_dims=(-4, -3), vector_dim=-1, _check_canonical=False
-    ).canonicalize()
-    fields = ("tiling", "warp_dims", "lane_dims", "vector_dim")
-    return plgpu.Layout.TILED(*(getattr(tiled, name) for name in fields))
-
-
-def _chunk(ref, plan: Plan, row, c):
-    """The (T, S) chunk c of a (rows, J, S) ref, at ``row``: T rows of split c (row
-    tiles), or splits ``c*T ...`` of row ``row`` (split rows)."""
-    if plan.split:
-        return ref.at[row, pl.ds(c * plan.T, plan.T), :]
-    return ref.at[pl.ds(row, plan.T), c, :]
-
-
-def _load(ref, plan: Plan, *, axis=None, optimized=True, raw=False):
-    """A chunk (or, with ``axis``, its rows reduced along ``axis``) in float32 (``raw``:
-    in its own dtype), ``optimized``: vector transfers free of bank conflicts."""
-    layout = (
-        _layout(plan.lanes, plan.v) if axis is None else _layout(plan.lanes, plan.v).reduce(axis)
-    )
-    value = _plgpu_load(ref, layout=layout, optimized=optimized)
-    return value if raw else value.astype(_F32)
-
-
-def _iota(plan: Plan, axis: int):
-    return plgpu.broadcasted_iota(
-        jnp.int32, (plan.T, plan.S), axis, layout=_layout(plan.lanes, plan.v)
-    )
-
-
-def _columns(plan: Plan, c):
-    """The feature index of each element of chunk c."""
-    splits = c * plan.T + _iota(plan, 0) if plan.split else c
-    return splits * plan.S + _iota(plan, 1)
-
-
-def _param(ref, plan: Plan, c):
-    """Chunk c of a (J, S) parameter in float32, as a (T, S) chunk; None without one.
-
-    Read from HBM (through L1) where needed, as plain vector loads: ``optimized`` GMEM
-    transfers are not lowered by jax 0.11.2 and need whole 128-byte lines in 0.12."""
-    if ref is None:
-        return None
-    if plan.split:
-        return _load(ref.at[pl.ds(c * plan.T, plan.T), :], plan, optimized=False)
-    return _broadcast(plan, _load(ref.at[c], plan, axis=0, optimized=False), 0)
-
-
-def _zeros(plan: Plan):
-    return plgpu.layout_cast(jnp.zeros((plan.T, plan.S), _F32), _layout(plan.lanes, plan.v))
-
-
-def _row_total(plan: Plan, acc):
-    """Per row sums of a chunk-shaped accumulator: (T,) for row tiles, a scalar for a
-    split row (its chunks' rows are splits of the one row)."""
-    return jnp.sum(jnp.sum(acc, axis=1), axis=0) if plan.split else jnp.sum(acc, axis=1)
-
-
-def _broadcast(plan: Plan, value, dim: int):
-    """A (T,) or (S,) value as a (T, S) chunk, repeated along ``dim``."""
-    wide = lax.broadcast_in_dim(value, (plan.T, plan.S), (1 - dim,))
-    return plgpu.layout_cast(wide, _layout(plan.lanes, plan.v))
-
-
-def _spread(plan: Plan, per_row):
-    """Per-row values (``_row_total``'s shape) as a (T, S) chunk (scalars broadcast)."""
-    return per_row if plan.split else _broadcast(plan, per_row, 1)
-
-
-def _store(value, ring, q, dst) -> None:
-    """Writes a chunk into slot q % 2 of a two-slot ring and stores it to ``dst`` by TMA.
-
-    Every TMA store is its own group and the slot was last read two or more groups ago,
-    so waiting until at most one group is reading keeps it free."""
-    slot = ring.at[lax.rem(q, 2)]
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-    slot[...] = value.astype(slot.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(slot, dst)
-
-
-# ---------------------------------------------------------------- the persistent loops
-
-
-def _staged(plan: Plan, rows: int, programs: int, sources, stage, bar, tile) -> None:
-    """Walks row blocks ``pid, pid + programs, ...``: stages each block's rows of the
-    ``sources`` (GMEM refs, rows first) into ``stage`` (SMEM, a slot axis first), the
-    next block's copies issued before (two slots) or after (one) this block's work, and
-    calls ``tile(i, block, t, chunk_refs)`` for each row tile t of block i of the walk;
-    ``chunk_refs(pass_, c)`` gives the SMEM views of chunk c of every source."""
-    pid = lax.axis_index("programs")
-    steps = (plan.blocks(rows) - 1 - pid) // programs + 1
-
-    def fetch(i, slot):
-        block = pid + i * programs
-        plgpu.commit_smem()  # the slot's reads before the TMA's writes (generic -> async)
-        for src, dst in zip(sources, stage, strict=True):
-            rows_ = dst.shape[1]  # the statistic's staging may be wider (whole 128 bytes)
-            plgpu.copy_gmem_to_smem(
-                src.at[pl.ds(block * plan.R, rows_)], dst.at[slot], bar.at[slot]
-            )
-
-    fetch(0, 0)
-
-    def body(i, carry):
-        slot = lax.rem(i, plan.slots)
-        plgpu.barrier_wait(bar.at[slot])
-        more = i + 1 < steps
-        if plan.slots == 2:
-            pl.when(more)(lambda: fetch(i + 1, 1 - slot))
-
-        def each_tile(t, carry):
-            views = [s.at[slot] for s in stage if len(s.shape) == 4]  # not the statistic
-            tile(
-                i,
-                pid + i * programs,
-                t,
-                lambda _, c: [_chunk(v, plan, t * plan.T, c) for v in views],
-            )
-            return carry
-
-        lax.fori_loop(0, plan.tiles, each_tile, 0)
-        if plan.slots == 1:
-            pl.when(more)(lambda: fetch(i + 1, 0))
-        return carry
-
-    lax.fori_loop(0, steps, body, 0)
-
-
-def _streamed(plan: Plan, rows: int, programs: int, sources, rings, bar, tile) -> None:
-    """As :func:`_staged` for split rows that do not fit shared memory whole: each pass
-    over a row loads its chunks again (the second time mostly from L2) through two-slot
-    rings, the next chunk's copies in flight while one is computed."""
-    pid = lax.axis_index("programs")
-    steps = (plan.blocks(rows) - 1 - pid) // programs + 1
-    loads = steps * 2 * plan.chunks  # two passes over each row
-
-    def fetch(g):
-        row = pid + g // (2 * plan.chunks) * programs
-        slot = lax.rem(g, 2)
-        plgpu.commit_smem()  # the slot's reads before the TMA's writes (generic -> async)
-        for src, ring in zip(sources, rings, strict=True):
-            plgpu.copy_gmem_to_smem(
-                _chunk(src, plan, row, lax.rem(g, plan.chunks)), ring.at[slot], bar.at[slot]
-            )
-
-    def chunk_refs(i, pass_, c):
-        g = (2 * i + pass_) * plan.chunks + c
-        slot = lax.rem(g, 2)
-        plgpu.barrier_wait(bar.at[slot])
-        pl.when(g + 1 < loads)(lambda: fetch(g + 1))
-        return [ring.at[slot] for ring in rings]
-
-    fetch(0)
-
-    def body(i, carry):
-        tile(i, pid + i * programs, 0, functools.partial(chunk_refs, i))
-        return carry
-
-    lax.fori_loop(0, steps, body, 0)
-
-
-def _walk(plan: Plan, rows, programs, sources, stage, bar, tile) -> None:
-    (_streamed if plan.stream else _staged)(plan, rows, programs, sources, stage, bar, tile)
-
-
-def _stage_types(plan: Plan, dtypes, stat: bool = False):
-    """The SMEM that the walk copies rows into, and its barrier."""
-    if plan.stream:
-        stage = [plgpu.SMEM((2, plan.T, plan.S), d) for d in dtypes]
-    else:
-        stage = [plgpu.SMEM((plan.slots, plan.R, plan.J, plan.S), d) for d in dtypes]
-    if stat:  # whole 128-byte rows of statistics (TMA copies move multiples of 128 bytes)
-        stage.append(plgpu.SMEM((plan.slots, -(-plan.R // 32) * 32), _F32))
-    slots = 2 if plan.stream else plan.slots
-    return [stage, plgpu.Barrier(num_arrivals=len(stage), num_barriers=slots)]
-
-
 # ---------------------------------------------------------------- forward
 
 
@@ -312,10 +132,10 @@ def _forward_kernel(*kernel_refs, spec: KernelSpec, plan: Plan, rows, programs, 
 
     def rows_in(views):
         """The normalized rows of a chunk: x, or h = x + residual rounded to h's dtype."""
-        xv = _load(views[0], plan, raw=True)
+        xv = load(views[0], plan, raw=True)
         if res is None:
             return xv
-        return added(xv, _load(views[1], plan, raw=True), h.dtype, keep=bool(interpret))
+        return added(xv, load(views[1], plan, raw=True), h.dtype, keep=bool(interpret))
 
     def tile(i, block, t, chunk_refs):
         row = block * plan.R + t * plan.T
@@ -324,30 +144,28 @@ def _forward_kernel(*kernel_refs, spec: KernelSpec, plan: Plan, rows, programs, 
         def square(c, acc):
             hv = rows_in(chunk_refs(0, c))
             if h is not None:
-                _store(hv, rings[1], q0 + c, _chunk(h, plan, row, c))
-            hf = hv.astype(_F32)
-            sq = (
-                hf * hf if spec.k == spec.n else jnp.where(_columns(plan, c) < spec.k, hf * hf, 0.0)
-            )
+                store(hv, rings[1], q0 + c, chunk(h, plan, row, c))
+            hf = hv.astype(F32)
+            sq = hf * hf if spec.k == spec.n else jnp.where(columns(plan, c) < spec.k, hf * hf, 0.0)
             return acc + sq
 
-        ms = _row_total(plan, lax.fori_loop(0, plan.chunks, square, _zeros(plan))) * (1.0 / spec.k)
+        ms = row_total(plan, lax.fori_loop(0, plan.chunks, square, zeros(plan))) * (1.0 / spec.k)
         st = stat_from_ms(spec, ms)
         if plan.split:
             stat[block] = st
         else:
-            _store(st, stat_ring, i * plan.tiles + t, stat.at[pl.ds(row, plan.T)])
-        spread = _spread(plan, st)
+            store(st, stat_ring, i * plan.tiles + t, stat.at[pl.ds(row, plan.T)])
+        st_chunk = spread(plan, st)
 
         def write(c, carry):
-            hf = rows_in(chunk_refs(1, c)).astype(_F32)
-            out = normalized(spec, hf, spread, _param(scale, plan, c), _param(bias, plan, c))
-            _store(out, rings[0], q0 + c, _chunk(y, plan, row, c))
+            hf = rows_in(chunk_refs(1, c)).astype(F32)
+            out = normalized(spec, hf, st_chunk, param(scale, plan, c), param(bias, plan, c))
+            store(out, rings[0], q0 + c, chunk(y, plan, row, c))
             return carry
 
         lax.fori_loop(0, plan.chunks, write, 0)
 
-    _walk(plan, rows, programs, [x] if res is None else [x, res], stage, bar, tile)
+    walk(plan, rows, programs, [x] if res is None else [x, res], stage, bar, tile)
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -355,9 +173,9 @@ def _forward_scratch(plan: Plan, staged, y_dtype, h_dtype):
     rings = [plgpu.SMEM((2, plan.T, plan.S), y_dtype)]
     if h_dtype is not None:
         rings.append(plgpu.SMEM((2, plan.T, plan.S), h_dtype))
-    scratch = [*_stage_types(plan, staged), rings]
+    scratch = [*stage_types(plan, staged), rings]
     if not plan.split:
-        scratch.append(plgpu.SMEM((2, plan.T), _F32))
+        scratch.append(plgpu.SMEM((2, plan.T), F32))
     return scratch
 
 
@@ -373,57 +191,55 @@ def _backward_kernel(*kernel_refs, spec: KernelSpec, plan: Plan, rows, programs,
     partials = [refs.pop(0) for present in (spec.has_scale, spec.has_bias) if present]
     stage, bar, ring, sums = refs
     for acc in sums:
-        acc[...] = jnp.zeros(acc.shape, _F32)
+        acc[...] = jnp.zeros(acc.shape, F32)
 
     def tile(i, block, t, chunk_refs):
         row = block * plan.R + t * plan.T
         if plan.split:
             st = stat[block]
         else:
-            st = _load(
-                stage[-1].at[lax.rem(i, plan.slots), pl.ds(t * plan.T, plan.T)], plan, axis=1
-            )
+            st = load(stage[-1].at[lax.rem(i, plan.slots), pl.ds(t * plan.T, plan.T)], plan, axis=1)
         r = inv_rms(spec, st)
 
         def dot(c, acc):
             views = chunk_refs(0, c)
-            return acc + _load(views[1], plan) * gain(spec, _param(scale, plan, c)) * _load(
+            return acc + load(views[1], plan) * gain(spec, param(scale, plan, c)) * load(
                 views[0], plan
             )
 
         # input_grad's terms (_contract.py), its row sum taken over the row's chunks.
-        mean_term = _row_total(plan, lax.fori_loop(0, plan.chunks, dot, _zeros(plan)))
+        mean_term = row_total(plan, lax.fori_loop(0, plan.chunks, dot, zeros(plan)))
         mean_term = mean_term * (r * (1.0 / spec.k))
         if spec.inside:
             alpha = r
         else:
             alpha = jnp.where(st > 0, 1.0 / jnp.where(st > 0, st, 1.0), 0.0)
-        coef, r_wide = _spread(plan, mean_term * alpha * r), _spread(plan, r)
-        valid = None if plan.split else row + _iota(plan, 0) < rows
+        coef, r_wide = spread(plan, mean_term * alpha * r), spread(plan, r)
+        valid = None if plan.split else row + iota(plan, 0) < rows
 
         def write(c, carry):
             views = chunk_refs(1, c)
-            xv, dyv = _load(views[0], plan), _load(views[1], plan)
+            xv, dyv = load(views[0], plan), load(views[1], plan)
             correction = xv * coef
             if spec.k < spec.n:
-                correction = jnp.where(_columns(plan, c) < spec.k, correction, 0.0)
-            d = r_wide * (dyv * gain(spec, _param(scale, plan, c))) - correction
+                correction = jnp.where(columns(plan, c) < spec.k, correction, 0.0)
+            d = r_wide * (dyv * gain(spec, param(scale, plan, c))) - correction
             if has_dh:
-                d = d + _load(views[2], plan)
-            _store(d, ring, (i * plan.tiles + t) * plan.chunks + c, _chunk(dx, plan, row, c))
+                d = d + load(views[2], plan)
+            store(d, ring, (i * plan.tiles + t) * plan.chunks + c, chunk(dx, plan, row, c))
             terms = [dyv * (xv * r_wide)] if spec.has_scale else []
             terms += [dyv] if spec.has_bias else []
             for acc, term in zip(sums, terms, strict=True):
-                view = _chunk(acc, plan, 0, c)
+                view = chunk(acc, plan, 0, c)
                 if valid is not None:  # rows past the end: their statistic may be inf
                     term = jnp.where(valid, term, 0.0)
-                view[...] = _load(view, plan) + term
+                view[...] = load(view, plan) + term
             return carry
 
         lax.fori_loop(0, plan.chunks, write, 0)
 
     sources = [x, dy] + ([dh] if has_dh else []) + ([] if plan.split else [stat])
-    _walk(plan, rows, programs, sources, stage, bar, tile)
+    walk(plan, rows, programs, sources, stage, bar, tile)
     plgpu.commit_smem()
     pid = lax.axis_index("programs")
     for acc, out in zip(sums, partials, strict=True):
@@ -433,11 +249,11 @@ def _backward_kernel(*kernel_refs, spec: KernelSpec, plan: Plan, rows, programs,
 
 def _backward_scratch(plan: Plan, spec: KernelSpec, staged, dx_dtype):
     sums = [
-        plgpu.SMEM((plan.acc_rows, plan.J, plan.S), _F32)
+        plgpu.SMEM((plan.acc_rows, plan.J, plan.S), F32)
         for present in (spec.has_scale, spec.has_bias)
         if present
     ]
-    stage = _stage_types(plan, staged, stat=not plan.split)
+    stage = stage_types(plan, staged, stat=not plan.split)
     return [*stage, plgpu.SMEM((2, plan.T, plan.S), dx_dtype), sums]
 
 
@@ -477,7 +293,7 @@ def forward(
     plan = plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
     programs = grid_size(plan, rows, programs)
     shape3 = (rows, plan.J, plan.S)
-    out_type = [out_struct(shape3, y_dtype, x), out_struct((rows,), _F32, x)]
+    out_type = [out_struct(shape3, y_dtype, x), out_struct((rows,), F32, x)]
     if residual is not None:
         out_type.append(out_struct(shape3, h_dtype, x))
     body = functools.partial(
@@ -517,7 +333,7 @@ def backward(
     )
     programs = grid_size(plan, rows, programs)
     shape3 = (rows, plan.J, plan.S)
-    partials = out_struct((programs * plan.acc_rows, plan.J, plan.S), _F32, x)
+    partials = out_struct((programs * plan.acc_rows, plan.J, plan.S), F32, x)
     out_type = [out_struct(shape3, dx_dtype, x)]
     out_type += [partials] * (int(spec.has_scale) + int(spec.has_bias))
     body = functools.partial(
@@ -526,7 +342,7 @@ def backward(
     staged = [a.dtype for a in (x, dy, dh) if a is not None]
     scratch = _backward_scratch(plan, spec, staged, dx_dtype)
     kernel = _call(body, "rms_norm_backward", programs, out_type, scratch, interpret)
-    args = [x.reshape(shape3), dy.reshape(shape3), stat.astype(_F32)]
+    args = [x.reshape(shape3), dy.reshape(shape3), stat.astype(F32)]
     args += [scale.reshape(plan.J, plan.S)] if scale is not None else []
     args += [dh.reshape(shape3)] if dh is not None else []
     dx, *sums = kernel(*args)
