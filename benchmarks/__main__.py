@@ -19,7 +19,8 @@ import sys
 SECTIONS = {
     "ops": "each norm alone, forward and forward+backward, against flax, the plain formula, "
     "tokamax (its Triton kernel and XLA path) and our paths (auto, XLA, each kernel backend), "
-    "with GB/s and % of the copy's rate; device time or CPU wall -> OUT/<device>-measured.md",
+    "with GB/s and % of the copy's rate; device time or CPU wall -> OUT/<device>-measured.md, "
+    ".json, .png (GB/s against features)",
     "step": "a whole train step of an 8-layer pre-norm stack with each norm: device time or CPU "
     "wall, compiled temp and peak memory -> OUT/<device>-measured.md, .json",
     "gemma": "the Gemma-3-style step (270M shape) with each norm, unrolled and under scan: on a "

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 import rmsnorm_jax
-from rmsnorm_jax import kernels
 
 EPS = 1e-6
 
@@ -47,7 +46,9 @@ FUSED: dict[str, Callable] = {  # fn(x, other, scale), other the residual stream
     "flax RMSNorm * silu": lambda x, z, s: _flax(x, s) * jax.nn.silu(z),
 }
 COMPOSITION = {"add_rms_norm": "flax RMSNorm + add", "gated_rms_norm": "flax RMSNorm * silu"}
-PATHS = tuple(p for p in kernels.IMPLEMENTATIONS if p != "auto")  # XLA and each kernel backend
+# ``rms_norm(..., implementation=...)`` besides "auto": XLA, and the kernels of the device's own
+# backend (Mosaic GPU or Triton on a GPU, Mosaic TPU on a TPU; ops' rows name which ran).
+PATHS = ("xla", "pallas")
 
 
 def path(op: str, implementation: str) -> Callable:
@@ -184,8 +185,8 @@ def step_norms(platform: str) -> dict[str, dict]:
     norms["rms_norm, remat saving rms_norm_stat"] = dict(norm=norms["rms_norm"]["norm"])
     norms["rms_norm, remat saving rms_norm_stat"]["remat_policy"] = stat_only
     norms[STEP_FLOOR] = dict(norm=scale_only)
-    if platform != "cpu":
-        norms["rms_norm [pallas]"] = dict(norm=path("rms_norm", "pallas"))
+    if platform != "cpu":  # on a CPU, "auto" is the XLA path and the kernels are interpreted
+        norms |= {f"rms_norm [{p}]": dict(norm=path("rms_norm", p)) for p in PATHS}
     return norms
 
 
@@ -237,12 +238,17 @@ GEMMA_NORMS: dict[str, Callable] = {
 }
 
 
+def _gemma_path(implementation: str) -> Callable:
+    return lambda x, scale: gemma_ours(x, scale, implementation)
+
+
 def gemma_norms(platform: str | None = None) -> dict[str, Callable]:
-    """The model's norms, the floor, and on an accelerator ``rms_norm [pallas]`` (``None``:
-    a deviceless compile, where a kernel has no cost estimate)."""
+    """The model's norms, the floor, and on a device ours on each path, ``rms_norm [xla]``
+    and ``rms_norm [pallas]`` (``None``: a deviceless compile, where a kernel has no cost
+    estimate; a CPU runs the kernels interpreted, in its smoke run of the small model)."""
     norms = {**GEMMA_NORMS, GEMMA_FLOOR: gemma_scale_only}
-    if platform not in (None, "cpu"):
-        norms["rms_norm [pallas]"] = lambda x, s: gemma_ours(x, s, "pallas")
+    if platform is not None:
+        norms |= {f"rms_norm [{p}]": _gemma_path(p) for p in PATHS}
     return norms
 
 

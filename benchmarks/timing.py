@@ -134,11 +134,17 @@ def compile_all(programs: dict, workers: int) -> dict:
         return dict(pool.map(compile_one, lowered))
 
 
-def uses_custom_kernel(compiled) -> bool:
-    """Whether the program calls a Pallas kernel (a Triton or Mosaic custom call)."""
-    return bool(
-        re.search(r"__gpu\$xla\.gpu\.triton|tpu_custom_call|mosaic_gpu", compiled.as_text())
-    )
+KERNEL_CALLS = {  # a Pallas kernel's custom call in a compiled program, by backend
+    "Triton": r"__gpu\$xla\.gpu\.triton",
+    "Mosaic GPU": r"mosaic_gpu",
+    "Mosaic TPU": r"tpu_custom_call",
+}
+
+
+def kernel_backends(compiled) -> list[str]:
+    """The Pallas backends whose kernels the compiled program calls (none: XLA alone)."""
+    text = compiled.as_text()
+    return [name for name, call in KERNEL_CALLS.items() if re.search(call, text)]
 
 
 # ---------------------------------------------------------------- train steps
