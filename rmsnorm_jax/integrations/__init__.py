@@ -6,6 +6,8 @@
 ``patch_tunix()``      the norms of tunix's models (gemma, gemma3, gemma4, llama3, qwen2, qwen3)
 ``patch_gemma()``      the norms of Google DeepMind's ``gemma`` library (Gemma 2/3, 3n, 4)
 ``patch_equinox()``    ``equinox.nn.RMSNorm``
+``patch_keras()``      the norms of KerasHub's models and ``keras.layers.RMSNormalization``
+                       (Keras 3 on JAX; their ``call``)
 =====================  ===================================================================
 
 Each replaces the ``__call__`` of the library's norm classes and nothing else: the
@@ -27,6 +29,8 @@ from ._flax import patch_flax as patch_flax
 from ._flax import unpatch_flax as unpatch_flax
 from ._gemma import patch_gemma as patch_gemma
 from ._gemma import unpatch_gemma as unpatch_gemma
+from ._keras import patch_keras as patch_keras
+from ._keras import unpatch_keras as unpatch_keras
 from ._maxtext import MAXTEXT_MODULES as MAXTEXT_MODULES
 from ._maxtext import patch_maxtext as patch_maxtext
 from ._maxtext import unpatch_maxtext as unpatch_maxtext
@@ -40,11 +44,13 @@ __all__ = [
     "patch_equinox",
     "patch_flax",
     "patch_gemma",
+    "patch_keras",
     "patch_maxtext",
     "patch_tunix",
     "unpatch_equinox",
     "unpatch_flax",
     "unpatch_gemma",
+    "unpatch_keras",
     "unpatch_maxtext",
     "unpatch_tunix",
 ]
