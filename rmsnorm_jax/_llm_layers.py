@@ -20,7 +20,8 @@ from ._config import (
     static_float,
 )
 from ._xla import ACTIVATIONS, AddConfig, GateConfig, add_rms_norm_core, gated_rms_norm_core
-from .kernels import add_rms_norm_kernel, route
+from .kernels._ops import add_rms_norm_kernel
+from .kernels._select import route
 
 
 def _check_like_x(name: str, value: Any, x: jax.Array) -> jax.Array:

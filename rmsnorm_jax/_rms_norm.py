@@ -11,7 +11,8 @@ import jax
 
 from ._config import as_float_array, norm_config
 from ._xla import rms_norm_core
-from .kernels import rms_norm_kernel, route
+from .kernels._ops import rms_norm_kernel
+from .kernels._select import route
 
 
 def rms_norm(
