@@ -1,8 +1,9 @@
 """python -m benchmarks.clients_memory LIBRARY --out FILE: the ``temp_size_in_bytes`` of
 ``jax.value_and_grad`` of a next-token loss compiled with a client library's own norm and
 under ``patch_<library>()`` for XLA:CPU, H100 and TPU v5e (deviceless, one device, abstract
-parameters), at the widths of the 270M-1B models with fewer layers, a 32k vocabulary and
-batch 4 x 512. Run it in a client environment of ``.ci/clients.sh`` with the compilers added."""
+parameters), at the widths of the 270M-1B models with fewer layers (keras: 4 layers, hidden
+512), a 32k vocabulary and batch 4 x 512. Run it in a client environment of
+``.ci/clients.sh`` with the compilers added."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("KERAS_BACKEND", "jax")  # read once, at keras's first import
 # --live reads XLA:CPU's buffer assignment of each step, dumped where XLA is told before
 # jax starts.
 DUMP = tempfile.mkdtemp(prefix="clients_memory-") if "--live" in sys.argv else None
@@ -139,12 +141,52 @@ def _equinox(name: str, dtype, remat: str):
     return params, lambda params, tokens: jax.vmap(eqx.combine(params, static))(tokens)
 
 
+def _keras(name: str, policy: str, remat: str):
+    """(trainable variables, logits(params, tokens)) of a KerasHub causal LM (no
+    preprocessor) under a Keras dtype policy: its ``stateless_call``, as ``fit`` runs it."""
+    import keras_hub
+
+    m = keras_hub.models
+    backbone, lm = {
+        "gemma": (m.GemmaBackbone, m.GemmaCausalLM),
+        "gemma3": (m.Gemma3Backbone, m.Gemma3CausalLM),
+        "llama": (m.Llama3Backbone, m.Llama3CausalLM),
+        "qwen3": (m.Qwen3Backbone, m.Qwen3CausalLM),
+        "mistral": (m.MistralBackbone, m.MistralCausalLM),
+    }[name]
+    # hidden 512 in 4 heads of 128 (2 key-value heads; Gemma 3 one, as its 270M and 1B),
+    # 4 layers; Gemma with Gemma 2's post-norms, Gemma 3 with its QK-norm too.
+    kw = dict(vocabulary_size=VOCAB, num_layers=LAYERS.get(name, 4), hidden_dim=512,
+              intermediate_dim=2048, num_query_heads=4, num_key_value_heads=2,
+              dtype=policy)  # fmt: skip
+    post = dict(use_post_ffw_norm=True, use_post_attention_norm=True)
+    kw |= {
+        "gemma": dict(head_dim=128, **post),
+        "gemma3": dict(head_dim=128, num_key_value_heads=1, image_size=16,
+                       use_sliding_window_attention=True, sliding_window_size=512, **post),
+        "qwen3": dict(head_dim=128),
+        "mistral": dict(head_dim=128, sliding_window=512),
+    }.get(name, {})  # fmt: skip
+    model = lm(backbone=backbone(**kw), preprocessor=None)
+    trainable = [v.value for v in model.trainable_variables]
+    frozen = [v.value for v in model.non_trainable_variables]
+
+    def logits(params, tokens):
+        x = {"token_ids": tokens, "padding_mask": jnp.ones_like(tokens, bool)}
+        return model.stateless_call(params, frozen, x)[0]
+
+    return trainable, logits
+
+
+KERAS = [(name, policy, "NONE") for name in ("gemma", "gemma3", "llama", "qwen3", "mistral")
+         for policy in ("bfloat16", "mixed_bfloat16")]  # fmt: skip
 LIBRARIES = {  # (build, patch, [(model, dtype, remat)]); qwen3 bfloat16: float32 parameters
     "tunix": (_tunix, integrations.patch_tunix, [("gemma3", F32, "NONE"), ("gemma3", BF16, "NONE"),
               ("llama3", BF16, "BLOCK"), ("qwen3", BF16, "NONE"), ("qwen3", BF16, "DECODER")]),
     "gemma": (_gemma, integrations.patch_gemma, [("gemma3", F32, "NONE"),
               ("gemma3", BF16, "NONE")]),
     "equinox": (_equinox, integrations.patch_equinox, [("lm", F32, "NONE"), ("lm", BF16, "NONE")]),
+    "keras": (_keras, integrations.patch_keras, KERAS),  # dtype: a Keras dtype policy
 }  # fmt: skip
 
 
@@ -243,6 +285,7 @@ OPTIONS = [
     ("--only", dict(default="", help="comma-separated models, or model:REMAT (qwen3:DECODER)")),
     ("--out", dict(required=True)),
     ("--layers", dict(type=int, default=0, help="the tunix models' layer count (default: theirs)")),
+    ("--vocab", dict(type=int, default=VOCAB, help="the vocabulary (default: 32768)")),
     ("--merge", dict(help="a results file whose other rows --out keeps")),
     ("--live", dict(action="store_true", help="XLA:CPU: the most temporaries live at once")),
     ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
@@ -255,6 +298,8 @@ def main() -> None:
     for flag, kw in OPTIONS:
         parser.add_argument(flag, **kw)
     args = parser.parse_args()
+    global VOCAB
+    VOCAB = args.vocab
     build, patch, configs = LIBRARIES[args.library]
     only = args.only.split(",")
     configs = [c for c in configs if not args.only or c[0] in only or f"{c[0]}:{c[2]}" in only]
@@ -268,10 +313,12 @@ def main() -> None:
             buffers = [] if args.buffers else None
             live = [] if args.live and target.name == "cpu" else None
             theirs, ours = temp_bytes(build, patch, (model, dtype, remat), target, buffers, live)
-            row = dict(library=args.library, model=model, dtype=jnp.dtype(dtype).name, remat=remat)
+            name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+            row = dict(library=args.library, model=model, dtype=name, remat=remat)
             row |= dict(target=target.name, theirs_MiB=round(theirs / 2**20, 1))
             row |= dict(ours_MiB=round(ours / 2**20, 1), ratio=round(ours / theirs, 3))
             row |= {"layers": args.layers} if args.layers else {}
+            row |= {"vocab": VOCAB} if VOCAB != 32768 else {}
             row |= {"buffers_theirs": buffers[0], "buffers_ours": buffers[1]} if buffers else {}
             mib = [round(b / 2**20, 1) for b in live or []]
             row |= {"theirs_live_MiB": mib[0], "ours_live_MiB": mib[1]} if mib else {}
@@ -287,7 +334,8 @@ def main() -> None:
 
 def _key(row: dict) -> tuple:
     """What a row measures: the same key in two runs is the same measurement."""
-    return tuple(row.get(k) for k in ("library", "model", "dtype", "remat", "target", "layers"))
+    keys = ("library", "model", "dtype", "remat", "target", "layers", "vocab")
+    return tuple(row.get(k) for k in keys)
 
 
 if __name__ == "__main__":

@@ -219,8 +219,15 @@ LEFT_ALONE: dict[str, str] = {
 
 
 def _floating(x: Any) -> bool:
-    """``x`` is a real floating jax or NumPy array (what ``rms_norm`` takes)."""
-    return isinstance(x, (jax.Array, np.ndarray)) and real_floating(x)
+    """``x`` is a real floating jax or NumPy array of a known shape, what ``rms_norm``
+    takes. Keras infers a functional model's shapes with symbolic dimensions (jax.export's
+    ``(None, None, d)``): that call only needs the output's shape and dtype, which Keras's
+    own ``call`` gives (the probe checks they are ours)."""
+    return (
+        isinstance(x, (jax.Array, np.ndarray))
+        and real_floating(x)
+        and all(isinstance(d, int) for d in x.shape)
+    )
 
 
 def _value(layer: Any, weight: str | None) -> Any:

@@ -377,6 +377,9 @@ def test_half_precision_as_near_float32_as_keras(family, policy, client_record):
     with integrations.patch_keras() as patch:
         ours = jax.jit(lambda: model16(x))()
         assert patch.calls == len(norms(model16)), repr(patch)
+        if policy == "mixed_bfloat16":  # a model built under the patch: the same outputs
+            built_after = backbone(family, policy)
+            np.testing.assert_array_equal(jax.jit(lambda: built_after(x))(), ours)
     assert ours.dtype == theirs.dtype == jnp.bfloat16
     err_ours, err_theirs = rel_l2(ours, expected), rel_l2(theirs, expected)
     client_record(
