@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 SECTIONS = {
     "ops": "each norm alone, forward and forward+backward, against flax, the plain formula, "
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--rounds must be >= 1")
     if args.target:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless compiles: before jax starts
-    from . import estimates, gemma, maxtext, models, report
+    from . import estimates, gemma, maxtext, models, plot, report
 
     args.dtypes = _choices(p, args.dtypes, ("float32", "bfloat16", "float16"), "--dtypes")
     if args.section in STEPS:
@@ -95,7 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.remats = _choices(p, args.remats, models.REMAT_POLICIES, "--remats")
     args.command = report.command(argv)
     if args.section in ("ops", "step") or not args.target:
-        return report.run_device(args, args.section)
+        rep = report.run_device(args, args.section)
+        if args.section == "ops":
+            plot.draw(rep, Path(rep["out"]) / f"{rep['stem']}.json")
+        return rep
     run = {"gemma": gemma.run_target, "maxtext": maxtext.run, "estimates": estimates.run}
     return run[args.section](args)
 

@@ -187,44 +187,4 @@ def run_device(args, name: str) -> dict:
     importlib.import_module(f"benchmarks.{name}").run(args, platform, timer, section, progress)
     print(device_markdown(rep))
     progress(f"wrote {out / stem}.md and .json")
-    if name == "ops":
-        draw(rep, out / f"{stem}.json")
     return rep | dict(out=str(out), stem=stem)
-
-
-def draw(rep: dict, path: Path) -> Path | None:
-    """The plot of the report ``path`` holds (``rep``): ``<stem>.png`` beside it, from its
-    ``ops`` section. Where matplotlib is missing (the GPU machine may lack it), None, and
-    the command that draws it from the JSON elsewhere."""
-    png = path.with_suffix(".png")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        again = command([str(path)], "python -m benchmarks.report")
-        print(f"no plot: matplotlib is not installed here; {again} draws it", flush=True)
-        return None
-    from . import ops
-
-    title = f"{rep['device']}: ops, GB/s (the least bytes moved over the median time)"
-    title += " (XLA:CPU wall-clock: the copy is no bound)" * (rep.get("platform") == "cpu")
-    ops.plot(rep["sections"]["ops"], png, title)
-    print(f"drew {png}", flush=True)
-    return png
-
-
-def main(argv: list[str]) -> None:
-    """``python -m benchmarks.report REPORT.json``: the plot of a device report, beside it."""
-    if len(argv) != 1 or not argv[0].endswith(".json"):
-        raise SystemExit("usage: python -m benchmarks.report <device>-measured.json")
-    path = Path(argv[0])
-    rep = json.loads(path.read_text())
-    if "ops" not in rep.get("sections", {}):
-        raise SystemExit(f"{path} has no ops section: nothing to plot")
-    if draw(rep, path) is None:
-        raise SystemExit(1)
-
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

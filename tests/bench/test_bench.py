@@ -246,7 +246,6 @@ def test_the_kernel_table_in_the_docs_is_the_committed_run(monkeypatch):
     functions' own route takes on that device and jax, from the measured wins "auto" reads
     (a win that held for another jax would turn them to "kernels" where it covers)."""
     from benchmarks import kernel_table
-
     from rmsnorm_jax import kernels
     from rmsnorm_jax.kernels import _measured
 

@@ -1,6 +1,6 @@
 """What a device visit brings back besides its tables: ``ops``' plot (GB/s against features,
 one line per norm, tokamax's among them, the copy's rate a line), drawn from a small results
-file as ``python -m benchmarks.report`` draws it; the command that draws it elsewhere where
+file as ``python -m benchmarks.plot`` draws it; the command that draws it elsewhere where
 matplotlib is missing; reports written whole or not at all; the kernels' backend named."""
 
 import json
@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from benchmarks import ops, report, timing
+from benchmarks import ops, plot, report, timing
 
 MIB = 32
 X_BYTES = MIB * 2**20
@@ -39,7 +39,7 @@ def _section() -> dict:
 
 
 def test_curves_are_the_least_bytes_over_the_median():
-    panels, copy, absent = ops.curves(_section()["results"])
+    panels, copy, absent = plot.curves(_section()["results"])
     assert set(panels) == {(MIB, k, d) for k in ("fwd", "fwd+bwd") for d in ("float32", "bfloat16")}
     fwd = panels[(MIB, "fwd", "float32")]
     assert set(fwd) == {"rms_norm", "tokamax layer_norm [xla]"}
@@ -56,7 +56,7 @@ def test_report_draws_the_plot_from_a_results_file(tmp_path, capsys):
     rep = dict(device="NVIDIA H100 80GB HBM3", machine="1 x H100 (gpu)", sections={})
     rep["sections"]["ops"] = _section()
     path.write_text(json.dumps(rep))
-    report.main([str(path)])
+    plot.main([str(path)])
     png = tmp_path / "h100-measured.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "drew" in capsys.readouterr().out
@@ -64,7 +64,7 @@ def test_report_draws_the_plot_from_a_results_file(tmp_path, capsys):
 
 def test_the_plot_has_a_line_per_norm_and_the_copys_rate(tmp_path):
     pytest.importorskip("matplotlib")
-    fig = ops.plot(_section(), tmp_path / "ops.png", "a title")
+    fig = plot.plot(_section(), tmp_path / "ops.png", "a title")
     axes = fig.axes
     assert len(axes) == 4  # fwd and fwd+bwd (rows) x float32 and bfloat16 (columns)
     assert [ax.get_title() for ax in axes[:2]] == [
@@ -83,7 +83,7 @@ def test_the_plot_has_a_line_per_norm_and_the_copys_rate(tmp_path):
 
 def test_a_smoke_run_says_so_on_its_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    fig = ops.plot(_section() | dict(quick=True), tmp_path / "ops.png", "a title")
+    fig = plot.plot(_section() | dict(quick=True), tmp_path / "ops.png", "a title")
     assert report.SMOKE in fig._suptitle.get_text()
 
 
@@ -93,9 +93,9 @@ def test_without_matplotlib_the_report_names_the_command_that_draws_it(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
     monkeypatch.chdir(tmp_path)
     rep = dict(device="d", sections=dict(ops=_section()))
-    assert report.draw(rep, tmp_path / "RESULTS" / "h100-measured.json") is None
+    assert plot.draw(rep, tmp_path / "RESULTS" / "h100-measured.json") is None
     out = capsys.readouterr().out
-    assert "python -m benchmarks.report RESULTS/h100-measured.json" in out
+    assert "python -m benchmarks.plot RESULTS/h100-measured.json" in out
     assert str(tmp_path) not in out
 
 
