@@ -1,7 +1,7 @@
 """The client libraries' measured tables, as committed under docs/results/ (issue 33).
 
 ``tests``: the differences the client-library tests measure. ``.ci/clients.sh test`` runs
-tests/integrations/test_clients_{tunix,equinox,gemma}.py with
+tests/integrations/test_clients_{tunix,equinox,gemma,keras}.py with
 ``$RMSNORM_JAX_CLIENT_RECORD`` set; each
 test appends its numbers there as a JSON line (the ``client_record`` fixture of
 tests/conftest.py)::
@@ -69,10 +69,16 @@ def tests(rows: list[dict]) -> str:
 TARGETS = {"cpu": "XLA:CPU", "h100": "H100", "tpu-v5e:2x2": "TPU v5e"}
 
 
+def _config(row: dict) -> tuple:
+    """What a row of the memory table is: library, model, dtype (a Keras row's is its dtype
+    policy), remat, and the vocabulary where it is not the 32,768 of the others."""
+    return (row["library"], row["model"], row["dtype"], row["remat"], row.get("vocab"))
+
+
 def memory(saved: dict) -> str:
     rows = [r for r in saved["rows"] if "layers" not in r]
-    configs = list(dict.fromkeys((r["library"], r["model"], r["dtype"], r["remat"]) for r in rows))
-    cell = {(r["library"], r["model"], r["dtype"], r["remat"], r["target"]): r for r in rows}
+    configs = list(dict.fromkeys(_config(r) for r in rows))
+    cell = {(*_config(r), r["target"]): r for r in rows}
     provenance = sorted(
         {f"{r['commit']} (Python {r['python']}, jax {r['jax']})" for r in rows if "commit" in r}
     )
@@ -92,7 +98,8 @@ def memory(saved: dict) -> str:
         for target in TARGETS:
             r = cell.get((*config, target))
             cells.append(f"{r['ratio']:.3f} ({r['theirs_MiB']:,.0f})" if r else "not measured")
-        library, model, dtype, remat = config
+        library, model, dtype, remat, vocab = config
+        model += f" (vocabulary {vocab:,})" if vocab else ""
         lines.append(
             f"| {library} {model} | {dtype} | {remat.lower()} | " + " | ".join(cells) + " |"
         )

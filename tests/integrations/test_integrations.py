@@ -836,6 +836,7 @@ def test_patch_maxtext_refuses_a_norm_it_does_not_compute(monkeypatch):
         ("patch_tunix", "tunix", "pip install google-tunix"),
         ("patch_gemma", "gemma", "pip install gemma"),
         ("patch_equinox", "equinox", "pip install equinox"),
+        ("patch_keras", "keras", "pip install keras"),
     ],
 )
 def test_patch_of_a_library_not_installed_says_how_to_install(monkeypatch, patch, package, install):
@@ -850,7 +851,7 @@ def test_import_rmsnorm_jax_imports_no_client_library():
     code = (
         "import sys, rmsnorm_jax, rmsnorm_jax.integrations\n"
         "found = [m for m in sys.modules if m.split('.')[0] in "
-        "('tunix', 'gemma', 'equinox', 'maxtext', 'MaxText')]\n"
+        "('tunix', 'gemma', 'equinox', 'keras', 'keras_hub', 'maxtext', 'MaxText')]\n"
         "assert not found, found\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
