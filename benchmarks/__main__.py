@@ -49,7 +49,7 @@ OPTIONS = [  # (sections, flag, argparse keywords)
     (("gemma",), "--modes", dict(default="unrolled,scan")),
     (("maxtext",), "--modes", dict(default="scan,unrolled")),
     (("maxtext",), "--remats", dict(default="full,minimal,none")),
-    (("gemma",), "--norms", dict(help="comma separated (default: all; --target: not the floor)")),
+    (("gemma", "step"), "--norms", dict(help="comma separated (default: all; estimate: no floor)")),
     (("gemma",), "--merge", dict(help="--target: a JSON whose records for other norms are kept")),
     (("estimates",), "--mib", dict(type=float, default=32.0, help="size of x per shape")),
 ]  # fmt: skip

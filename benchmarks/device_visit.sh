@@ -27,6 +27,7 @@ site=$(mktemp -d)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=".:$site"
 log=$out/log.txt
 norms="rms_norm,rms_norm [xla],rms_norm [pallas],gemma's own"
+step_norms="rms_norm,rms_norm [xla],rms_norm [pallas]"  # and flax RMSNorm, step's reference
 mapfile -t tests < <(find tests -name test_residual_rounding.py -o -name test_add_and_gated.py)
 tests=(tests/kernels "${tests[@]}")
 
@@ -79,7 +80,8 @@ visit() {
 jax.devices()[0].device_kind, 'tokamax', tokamax.__version__, tokamax.__file__)"
   run 120 "$python" -m pytest -q -p no:benchmark -p no:cacheprovider -n "$workers" "${tests[@]}"
   run 250 "$python" -m benchmarks ops "${size[@]}" "${ops_size[@]}" --out RESULTS
-  run 370 "$python" -m benchmarks step "${size[@]}" --dtypes bfloat16 --out RESULTS
+  run 370 "$python" -m benchmarks step "${size[@]}" --dtypes bfloat16 --norms "$step_norms" \
+    --out RESULTS
   run 490 "$python" -m benchmarks gemma "${size[@]}" --modes scan,unrolled --norms "$norms" \
     --out RESULTS
   if [ "${#failed[@]}" != 0 ]; then

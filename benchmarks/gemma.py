@@ -19,9 +19,7 @@ def norms(names: str | None, platform: str | None) -> dict:
     every = peers.gemma_norms(platform)
     if names is None:
         return {n: f for n, f in every.items() if platform or n != peers.GEMMA_FLOOR}
-    if unknown := [n for n in names.split(",") if n not in every]:
-        raise SystemExit(f"--norms: unknown {unknown}; choose from {list(every)}")
-    return {n: every[n] for n in names.split(",")}
+    return peers.chosen(every, names)
 
 
 def programs(mode: str, chosen: dict, smoke: bool, batch: int, seq: int) -> dict:

@@ -151,6 +151,17 @@ def _tokamax(implementation: str, platform: str) -> tuple:
     return (lambda x, s: tokamax.layer_norm(x, s, None, **kw)), "ok", ""
 
 
+def chosen(every: dict, names: str | None, keep=()) -> dict:
+    """``--norms``: the entries of ``every`` named (comma separated; all where None), and
+    those of ``keep`` (a table's reference) besides."""
+    if names is None:
+        return every
+    wanted = [*names.split(","), *(k for k in keep if k not in names.split(","))]
+    if unknown := [n for n in wanted if n not in every]:
+        raise SystemExit(f"--norms: unknown {unknown}; choose from {list(every)}")
+    return {n: every[n] for n in wanted}
+
+
 def op_programs(platform: str) -> list[OpProgram]:
     """Every program of one shape of ``ops``, and a row saying why for each one absent."""
     progs = [
@@ -170,22 +181,26 @@ def op_programs(platform: str) -> list[OpProgram]:
         add(name, "add" if "add" in name else "gated", "peer" if "flax" in name else "ours", fn)
     cpu = (None, "skipped", "CPU runs the kernels in Pallas interpret mode: not a timing")
     skip = platform == "cpu"
+    # On a GPU, the Triton kernels beside the ones "pallas" takes (Mosaic GPU on Hopper).
+    paths = PATHS + ("triton",) * (platform == "gpu")
     for op, group in (("rms_norm", "norm"), ("add_rms_norm", "add")):
-        for p in PATHS:
+        for p in paths:
             add(f"{op} [{p}]", group, "ours", *(cpu if skip and p != "xla" else [path(op, p)]))
     return progs
 
 
-def step_norms(platform: str) -> dict[str, dict]:
+def step_norms(platform: str, smoke: bool = False) -> dict[str, dict]:
     """The pre-norm step's norms, ``{label: prenorm_stack_train_step kwargs}``: ``norm=None``
-    fuses each residual add into the next norm; the remat row keeps only the statistics."""
+    fuses each residual add into the next norm; the remat row keeps only the statistics.
+    Ours on each path on a device, and in a CPU's smoke run (``--quick``: there the kernels
+    run interpreted, as the GPU visit's dry run needs them)."""
     stat_only = jax.checkpoint_policies.save_only_these_names("rms_norm_stat")
     norms = {n: dict(norm=IMPLEMENTATIONS[n]) for n in ("rms_norm", *NORM_PEERS)}
     norms["add_rms_norm"] = dict(norm=None)
     norms["rms_norm, remat saving rms_norm_stat"] = dict(norm=norms["rms_norm"]["norm"])
     norms["rms_norm, remat saving rms_norm_stat"]["remat_policy"] = stat_only
     norms[STEP_FLOOR] = dict(norm=scale_only)
-    if platform != "cpu":  # on a CPU, "auto" is the XLA path and the kernels are interpreted
+    if platform != "cpu" or smoke:  # a CPU's full run: "auto" is XLA, kernels interpreted
         norms |= {f"rms_norm [{p}]": dict(norm=path("rms_norm", p)) for p in PATHS}
     return norms
 

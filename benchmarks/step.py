@@ -12,6 +12,7 @@ TITLE = "Train step"
 CONFIGS = tuple((mlp, dtype) for mlp in ("swiglu", "gelu") for dtype in ("float32", "bfloat16"))
 QUICK_CONFIGS = (("swiglu", "bfloat16"), ("gelu", "float32"))  # each MLP, each dtype
 SHAPE, QUICK_SHAPE = dict(layers=8, d=2048, tokens=16384), dict(layers=2, d=64, tokens=128)
+REFERENCE = "flax RMSNorm"
 PEAK = (
     "Device peak: `peak_bytes_in_use` of the step run in a process of its own (`python -m "
     "benchmarks.peak`). Round spread: the largest minus the smallest round median, over the "
@@ -19,10 +20,12 @@ PEAK = (
 )
 
 
-def programs(mlp: str, dtype: str, quick: bool, platform: str) -> dict:
-    """``{norm: (step, (params, h))}``: the pre-norm stack's train step with each norm."""
+def programs(mlp: str, dtype: str, quick: bool, platform: str, names=None) -> dict:
+    """``{norm: (step, (params, h))}``: the pre-norm stack's train step with each norm
+    (``names``: ``--norms``, flax RMSNorm, the reference, always among them)."""
     shape, out, inputs = QUICK_SHAPE if quick else SHAPE, {}, None
-    for label, kw in peers.step_norms(platform).items():
+    norms = peers.chosen(peers.step_norms(platform, quick), names, keep=(REFERENCE,))
+    for label, kw in norms.items():
         step, shapes = models.prenorm_stack_train_step(layers=shape["layers"], mlp=mlp, **kw)
         inputs = inputs or models.step_inputs(shapes, shape["d"], shape["tokens"], jnp.dtype(dtype))
         out[label] = (step, inputs)
@@ -40,9 +43,9 @@ def run(args, platform, timer, section, progress) -> None:
     section["shape"] = shape = QUICK_SHAPE if args.quick else SHAPE
     for mlp, dtype in QUICK_CONFIGS if args.quick else CONFIGS:
         if dtype in args.dtypes:
-            steps = programs(mlp, dtype, args.quick, platform)
+            steps = programs(mlp, dtype, args.quick, platform, args.norms)
             own = ["step", "--mlp", mlp, "--dtype", dtype]
-            rows = measure(steps, own, platform, timer, args, "flax RMSNorm")
+            rows = measure(steps, own, platform, timer, args, REFERENCE)
             for norm, row in rows.items():
                 config = dict(
                     section="step", model="pre-norm stack", mlp=mlp, dtype=dtype, norm=norm
@@ -58,7 +61,7 @@ def describe(section: dict) -> str:
     return f"`models.prenorm_stack_train_step`: {shape}. {PEAK}"
 
 
-def markdown(section: dict, reference: str = "flax RMSNorm") -> str:
+def markdown(section: dict, reference: str = REFERENCE) -> str:
     """One row per train step: time, spread, wall time, the ratio to ``reference``, memory."""
     rows, quick = section["results"], section.get("quick", False)
     first = ["mode"] if any("mode" in r for r in rows) else ["model", "mlp", "dtype"]

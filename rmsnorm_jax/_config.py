@@ -19,7 +19,10 @@ import numpy as np
 from jax import lax
 
 EPS_PLACEMENTS = ("inside", "outside")
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+# The paths a call may ask for: "auto", "xla", "pallas" (each platform's preferred kernels),
+# or one backend's kernels by its name in kernels/_select.py's registry (a test holds the
+# names equal).
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic_gpu", "triton", "mosaic_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +293,7 @@ def check_implementation(implementation: Any) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}: "
-            f"'xla' for the XLA path, 'pallas' for the fused kernels, 'auto' to let the "
-            f"library choose from measurements."
+            f"'xla' for the XLA path, 'pallas' for the fused kernels, a backend's name for "
+            f"its kernels alone, 'auto' to let the library choose from measurements."
         )
     return implementation

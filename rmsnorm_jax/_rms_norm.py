@@ -86,7 +86,9 @@ def rms_norm(
         one pass forward and one backward, where the call fits them (the last axis
         normalized alone, no ``mask`` or ``axis_name``, float32/bfloat16/float16 input,
         ``scale`` and ``bias`` of one value per feature, a row that fits a kernel
-        block); otherwise XLA. ``"auto"`` (default): the kernels only where a
+        block); otherwise XLA. ``"mosaic_gpu"``, ``"triton"``, ``"mosaic_tpu"``: that
+        backend's kernels alone, on its platform (to compare backends); XLA elsewhere.
+        ``"auto"`` (default): the kernels only where a
         measurement on hardware found them faster on the device and jax in use
         (``rmsnorm_jax.kernels.MEASURED``, ``docs/kernels.md``), XLA everywhere else;
         ``rmsnorm_jax.kernels.explain(rms_norm, x, ...)`` says which path a call takes

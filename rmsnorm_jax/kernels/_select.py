@@ -13,6 +13,9 @@ each device computes, and ``explain`` prints the route. Nothing else decides.
   can run (Mosaic GPU on Hopper and Blackwell, else Pallas-Triton on an NVIDIA GPU;
   Mosaic TPU on a TPU; the Triton kernels in interpret mode on a CPU), where the call
   fits it; XLA elsewhere.
+- a backend's name (``"mosaic_gpu"``, ``"triton"``, ``"mosaic_tpu"``): that backend on its
+  platform where this jax and the device run it and the call fits it (on a CPU, Triton
+  interpreted); XLA elsewhere. For comparing backends (benchmarks, tests).
 - ``"auto"``: the backend of a measured win (``_measured.py``) that covers the call on
   the device being compiled for and this jax, where that backend runs without a
   deprecation warning and the call fits it; XLA everywhere else.
@@ -82,7 +85,9 @@ BACKENDS: dict[str, Entry] = {
     "triton": Entry("cuda", "jax.experimental.pallas.triton", _triton),
     "mosaic_tpu": Entry("tpu", "jax.experimental.pallas.tpu", _mosaic_tpu),
 }
-# A CPU has no kernels of ours: "pallas" runs these there in interpret mode (tests).
+# A CPU has no kernels of ours: these run there in interpret mode (tests). Mosaic GPU's
+# interpreter cannot: its ordered callbacks do not lower inside the launch's
+# custom_partitioning under jit (jax 0.12.0.1), so it is tested on its own.
 INTERPRETED_ON_CPU = ("triton",)
 
 
@@ -222,6 +227,15 @@ def _preferred(platform: str, target: _device.Target) -> tuple[str | None, str]:
     return None, "; ".join(reasons)
 
 
+def _named(name: str, platform: str) -> tuple[str | None, str]:
+    """The backend asked for by name, on ``platform``: on its own, or interpreted on a CPU
+    where it can be; None and why elsewhere."""
+    home = BACKENDS[name].platform
+    if platform == home or (platform == "cpu" and name in INTERPRETED_ON_CPU):
+        return name, ""
+    return None, f"implementation={name!r} runs on {PLATFORM_NAMES[home]} alone"
+
+
 def _win_backend(request: Request, spec: KernelSpec, platform: str, step: Pass, target, version):
     """The backend of the measured win that covers the call, or None and why."""
     if platform != target.platform:
@@ -253,8 +267,10 @@ def select(
     that checks varying axes, where Pallas' interpreter cannot run."""
     if request.implementation == "auto":
         name, reason = _win_backend(request, spec, platform, step, target, version)
-    else:
+    elif request.implementation == "pallas":
         name, reason = _preferred(platform, target)
+    else:
+        name, reason = _named(request.implementation, platform)
     if name is None:
         return Choice(None, reason)
     backend, why = load(name)

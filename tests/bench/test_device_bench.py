@@ -195,7 +195,7 @@ def test_quick_train_step_memory(quick_report):
     rows = rep["sections"]["step"]["results"]
     for mlp, dtype in step.QUICK_CONFIGS:
         by_norm = {r["norm"]: r for r in rows if (r["mlp"], r["dtype"]) == (mlp, dtype)}
-        assert set(by_norm) == set(peers.step_norms(_platform()))
+        assert set(by_norm) == set(peers.step_norms(_platform(), smoke=True))
         for r in by_norm.values():
             assert r["status"] == "ok" and r["median_s"] > 0 and r["temp_bytes"] > 0
             assert len(r["round_medians_s"]) == 3
@@ -244,6 +244,7 @@ def test_gemma_norms_on_a_device():
         assert list(peers.gemma_norms(platform)) == [*peers.GEMMA_NORMS, peers.GEMMA_FLOOR, *paths]
     assert list(peers.gemma_norms(None)) == [*peers.GEMMA_NORMS, peers.GEMMA_FLOOR]
     assert set(peers.step_norms("gpu")) - set(peers.step_norms("cpu")) == set(paths)
+    assert set(peers.step_norms("cpu", smoke=True)) == set(peers.step_norms("gpu"))
 
 
 def test_one_section_keeps_the_others(quick_report, tmp_path):

@@ -65,7 +65,7 @@ def _close(got, want, tol):
 def test_unknown_implementation_names_the_choices():
     x = jnp.ones((2, 8))
     for fn in (
-        lambda: rms_norm(x, implementation="triton"),
+        lambda: rms_norm(x, implementation="tokamax"),
         lambda: add_rms_norm(x, x, implementation="cuda"),
         lambda: gated_rms_norm(x, x, implementation=None),
     ):
@@ -180,6 +180,42 @@ def test_mosaic_gpu_wins_on_hopper_where_this_jax_has_it():
         gpu = {c.backend for p, _, c in found.choices if p == "cuda"}
         want = "mosaic_gpu" if hopper and mosaic_gpu.available() else "triton"
         assert gpu == {want}, (target, found.choices)
+
+
+def test_a_backend_by_name_runs_on_its_platform_alone():
+    """``implementation=<backend>`` names the registry's backends: that backend on its
+    platform (Triton interpreted on a CPU, the others there XLA), XLA on the others."""
+    from rmsnorm_jax import _config
+    from rmsnorm_jax.kernels import mosaic_gpu
+
+    assert set(_config.IMPLEMENTATIONS) == {"auto", "xla", "pallas", *kernels.BACKENDS}
+    x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16)
+    for name, entry in kernels.BACKENDS.items():
+        found = kernels.route_of(rms_norm, x, implementation=name, target=H100)
+        for platform, _, choice in found.choices:
+            home = platform == entry.platform or (platform, name) == ("cpu", "triton")
+            if not home:
+                assert choice.backend is None and "alone" in choice.reason, (name, choice)
+            elif name != "mosaic_gpu" or mosaic_gpu.available():
+                assert choice.backend == name, (name, platform, choice)
+    tpu_only = kernels.explain(rms_norm, x, implementation="mosaic_tpu")
+    assert tpu_only.endswith("CPU: XLA (implementation='mosaic_tpu' runs on TPU alone)"), tpu_only
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_triton_by_name_matches_the_float64_oracle(op):
+    """``implementation="triton"`` through the public functions (interpreted on a CPU):
+    values and gradients against the float64 formula."""
+    x, scale, _, other, dy = _inputs((3, 5, 256), jnp.float32)
+    if op == "rms_norm":
+        ours = lambda x, s: rms_norm(x, s, 1e-5, implementation="triton")
+        oracle = lambda x, s: rms_norm_reference(x, s, 1e-5)
+    else:
+        ours = lambda x, s: add_rms_norm(x, other, s, 1e-5, implementation="triton")[0]
+        oracle = lambda x, s: rms_norm_reference(x + other.astype(x.dtype), s, 1e-5)
+    y, vjp = jax.vjp(ours, x, scale)
+    assert "pallas_call" in str(jax.make_jaxpr(ours)(x, scale))
+    _close((y, vjp(dy)), _oracle_vjp(oracle, (x, scale), dy), TOL[jnp.float32])
 
 
 def test_the_measured_wins_are_the_committed_measurement_and_say_where():
@@ -609,7 +645,7 @@ def test_explain_runs_the_call_itself():
     with pytest.raises(ValueError, match="p must be in"):
         kernels.explain(rms_norm, x, p=2.0)
     with pytest.raises(ValueError, match="implementation must be one of"):
-        kernels.explain(add_rms_norm, x, x, implementation="triton")
+        kernels.explain(add_rms_norm, x, x, implementation="tokamax")
     with pytest.raises(TypeError, match="made no call of rms_norm"):
         kernels.explain(jnp.sin, x)
 

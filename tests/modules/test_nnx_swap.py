@@ -194,5 +194,5 @@ def test_gemma_argument_errors():
 def test_implementation_is_stored_and_checked():
     assert RMSNorm(8, rngs=nnx.Rngs(0)).implementation == "auto"
     assert RMSNorm.gemma(8, implementation="xla", rngs=nnx.Rngs(0)).implementation == "xla"
-    with pytest.raises(ValueError, match=r"implementation must be one of .*'auto'.*got 'triton'"):
-        RMSNorm(8, implementation="triton", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"implementation must be one of .*'auto'.*got 'cuda'"):
+        RMSNorm(8, implementation="cuda", rngs=nnx.Rngs(0))
