@@ -122,31 +122,38 @@ def memory(saved: dict) -> str:
                 f"{r['ours_live_MiB']:,.1f} | {r['ours_live_MiB'] / r['theirs_live_MiB']:.3f} |"
             )
     layered = [r for r in saved["rows"] if "buffers_theirs" in r]
-    if layered:
-        shapes = sorted({s for r in layered for s in r["buffers_theirs"] | r["buffers_ours"]})
-        lines += [
-            "",
-            "By layer count, with the activation-shaped buffers each program writes "
-            "(`--buffers`: instructions of the entry computation that write a new "
-            "`[batch, length, d]` array, theirs / ours):",
-            "",
-            "| library, model | dtype | remat | layers | target | theirs MiB | ours MiB | ratio | "
-            + " | ".join(shapes)
-            + " |",
-            "|---|---|---|---:|---|---:|---:|---:|" + "---:|" * len(shapes),
-        ]
-        for r in layered:
-            counts = [
-                f"{r['buffers_theirs'].get(s, 0)} / {r['buffers_ours'].get(s, 0)}" for s in shapes
-            ]
-            lines.append(
-                f"| {r['library']} {r['model']} | {r['dtype']} | {r['remat'].lower()} | "
-                f"{r.get('layers', 'default')} | {TARGETS.get(r['target'], r['target'])} | "
-                f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['ratio']:.3f} | "
-                + " | ".join(counts)
-                + " |"
-            )
+    for library in dict.fromkeys(r["library"] for r in layered):  # a table per library
+        lines += _buffers([r for r in layered if r["library"] == library])
     return "\n".join(lines) + "\n"
+
+
+def _buffers(rows: list[dict]) -> list[str]:
+    """The rows measured with ``--buffers``: the activation-shaped buffers each program
+    writes, per shape."""
+    shapes = sorted({s for r in rows for s in r["buffers_theirs"] | r["buffers_ours"]})
+    lines = [
+        "",
+        "By layer count, with the activation-shaped buffers each program writes "
+        "(`--buffers`: instructions of the entry computation that write a new "
+        "`[batch, length, d]` array, theirs / ours):",
+        "",
+        "| library, model | dtype | remat | layers | target | theirs MiB | ours MiB | ratio | "
+        + " | ".join(shapes)
+        + " |",
+        "|---|---|---|---:|---|---:|---:|---:|" + "---:|" * len(shapes),
+    ]
+    for r in rows:
+        counts = [
+            f"{r['buffers_theirs'].get(s, 0)} / {r['buffers_ours'].get(s, 0)}" for s in shapes
+        ]
+        lines.append(
+            f"| {r['library']} {r['model']} | {r['dtype']} | {r['remat'].lower()} | "
+            f"{r.get('layers', 'default')} | {TARGETS.get(r['target'], r['target'])} | "
+            f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['ratio']:.3f} | "
+            + " | ".join(counts)
+            + " |"
+        )
+    return lines
 
 
 def main() -> None:
