@@ -1,29 +1,27 @@
-"""``patch_keras()``: the RMSNorms of Keras 3 and KerasHub, on JAX, through ``rms_norm``.
+"""``patch_keras()``: the RMSNorms of Keras 3 and KerasHub (JAX backend) through ``rms_norm``.
 
-Keras layers compute in ``call``; their ``__call__`` (Keras's own, on ``Layer``) builds
-the weights, casts the inputs, enters the autocast scope and then calls ``call``. So this
-patch replaces ``call`` of each norm class (where the others replace ``__call__``) and
-leaves Keras's ``__call__`` as it is. The classes it knows (keras 3.15, keras-hub 0.32),
-each over the last axis, with float32 statistics; ``scale`` is the value ``call`` sees
-(the autocast one: bfloat16 under ``mixed_bfloat16``):
+A Keras layer computes in ``call``; Keras's ``Layer.__call__`` builds its weights, casts
+the inputs to the compute dtype, enters the autocast scope and then calls ``call``. This
+patch replaces ``call`` of each norm class (the other patches replace ``__call__``) and
+keeps Keras's ``__call__``. The classes it knows (keras 3.15, keras-hub 0.32) normalize
+over the last axis with float32 statistics, eps ``self.epsilon`` inside the square root;
+``scale`` is the value ``call`` reads, the autocast one (bfloat16 under
+``mixed_bfloat16``):
 
-=========================================  ==========  =======  ========================
-class (family)                             weight      offset   output dtype
-=========================================  ==========  =======  ========================
-``gemma`` ``RMSNormalization``             zeros       1        ``compute_dtype``
-``gemma3`` ``RMSNormalization``            zeros       1        ``compute_dtype``
-``gemma4`` ``RMSNormalization``            ones        0        ``compute_dtype``
-``gemma4`` ``Gemma4VNorm``                 none        -        ``compute_dtype``
-``gemma4`` ``Gemma4FrozenNorm``            ones, frozen  0      ``compute_dtype``
-``llama``, ``mistral``, ``mixtral``,       ones        0        ``compute_dtype``
-``phi3``, ``qwen``, ``qwen_moe``,
-``gpt_oss``, ``roformer_v2``
-``qwen3``, ``qwen3_moe`` (``head_dim``)    ones        0        ``x``'s dtype
-``qwen3_5`` ``Qwen3_5LayerNorm``           zeros       1        ``x``'s dtype
-``qwen3_5`` ``Qwen3_5RMSNormGated``        ones        0        ``x``'s dtype
-``keras`` ``keras.layers.RMSNormalization``  ones      0        ``x``'s dtype; any
-                                                                trailing axes
-=========================================  ==========  =======  ========================
+======================================  ============  ======  =================
+family: class                           weight        offset  output dtype
+======================================  ============  ======  =================
+gemma, gemma3: ``RMSNormalization``     zeros         1       ``compute_dtype``
+gemma4: ``RMSNormalization``            ones          0       ``compute_dtype``
+gemma4: ``Gemma4VNorm``                 none                  ``compute_dtype``
+gemma4: ``Gemma4FrozenNorm``            ones, frozen  0       ``compute_dtype``
+llama, mistral, mixtral, phi3, qwen,    ones          0       ``compute_dtype``
+qwen_moe, gpt_oss, roformer_v2
+qwen3, qwen3_moe (also per head)        ones          0       ``x``'s dtype
+qwen3_5: ``Qwen3_5LayerNorm``           zeros         1       ``x``'s dtype
+qwen3_5: ``Qwen3_5RMSNormGated``        ones          0       ``x``'s dtype
+keras: ``layers.RMSNormalization``      ones          0       ``x``'s dtype
+======================================  ============  ======  =================
 """
 
 from __future__ import annotations
