@@ -12,6 +12,7 @@ built before it; ``mixed_bfloat16`` and ``bfloat16`` no farther from float32 tha
 own; Keras core's ``RMSNormalization`` in a functional model.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-if "keras" not in sys.modules:
+if "keras" not in sys.modules and importlib.util.find_spec("keras") is not None:
     os.environ["KERAS_BACKEND"] = "jax"  # Keras reads it once, at its first import
 
 keras = pytest.importorskip("keras", reason="keras is not installed (.ci/clients.sh: 3.15.1)")
@@ -549,3 +550,12 @@ def test_another_keras_backend_is_refused_with_the_fix(backend, error, message):
     env = dict(os.environ, KERAS_BACKEND=backend, JAX_PLATFORMS="cpu")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_without_keras_hub_keras_core_alone(monkeypatch):
+    """KerasHub is optional: without it, ``keras.layers.RMSNormalization`` alone."""
+    monkeypatch.setitem(sys.modules, "keras_hub", None)
+    with integrations.patch_keras() as patch:
+        assert patch.targets == (_keras._target(keras.layers.RMSNormalization),)
+    with pytest.raises(ValueError, match=r"names 'gemma', which this installation does not"):
+        integrations.patch_keras(families="gemma")
