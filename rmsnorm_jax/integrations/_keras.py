@@ -579,56 +579,40 @@ def patch_keras(
 ) -> Patch:
     r"""Routes the RMSNorm layers of Keras 3 and KerasHub (JAX backend) through ``rms_norm``.
 
-    Replaces ``call`` of each norm class KerasHub's models use, and of
-    ``keras.layers.RMSNormalization``, so every norm of every model built from them, before
-    or after this call (``GemmaCausalLM``, ``Gemma3CausalLM``, ``Llama3CausalLM``,
-    ``Qwen3CausalLM``, ...: the layers' norms, QK-norms, the final norm) computes with
-    ``rms_norm``. Keras's ``Layer.__call__`` stays: it builds the weights (names, shapes,
-    dtypes, initializers: checkpoints, presets and ``enable_lora`` find them unchanged),
-    casts the inputs to the compute dtype and enters the autocast scope. Each class keeps
-    its semantics, per instance (its ``epsilon``, inside the square root)::
+    Replaces ``call`` of each norm class of KerasHub's models and of
+    ``keras.layers.RMSNormalization`` (the module's table), so every norm of every model
+    built from them, before or after this call, computes with ``rms_norm``. Keras's
+    ``Layer.__call__`` stays: it builds the weights (checkpoints, presets and
+    ``enable_lora`` find them unchanged), casts the inputs and enters the autocast scope.
+    Each class keeps its semantics, per instance, over the last axis (Keras core's: its
+    ``axis`` where those are the last ones; ``epsilon=None`` is ``keras.config.epsilon()``)::
 
-        y = x / sqrt(mean(x**2) + epsilon) * (1 + scale)   # gemma, gemma3, qwen3_5
+        y = x / sqrt(mean(x**2) + epsilon) * (1 + scale)   # gemma, gemma3, Qwen3_5LayerNorm
         y = x / sqrt(mean(x**2) + epsilon) * scale         # the others
         y = x / sqrt(mean(x**2) + epsilon)                 # Gemma4VNorm
 
-    over the last axis (``keras.layers.RMSNormalization``: its ``axis``, where those are
-    the last axes of ``x``; ``epsilon=None`` is ``keras.config.epsilon()``), computed in
-    float32 (float64 stays float64) as Keras's are, with ``scale`` the value Keras's own
-    ``call`` reads (bfloat16 under ``mixed_bfloat16``: the autocast value, not the float32
-    variable), and rounded once to the class's output dtype: the layer's
-    ``compute_dtype`` (gemma, gemma3, gemma4, llama, mistral, mixtral, phi3, qwen,
-    qwen_moe, gpt_oss, roformer_v2) or ``x``'s dtype (qwen3, qwen3_moe, qwen3_5 and
-    ``keras.layers.RMSNormalization``). The gradient is ``rms_norm``'s analytic backward
-    (residuals: ``x``, ``scale``, one float32 per row) where Keras's autodiff keeps the
-    float32 copies of ``x``.
+    computed in float32 (float64 stays float64), ``scale`` the value Keras's ``call``
+    reads (the autocast bfloat16 one under ``mixed_bfloat16``), rounded once to the class's
+    output dtype (``compute_dtype``, or ``x``'s for qwen3, qwen3_moe, qwen3_5 and Keras
+    core's). The gradient is ``rms_norm``'s analytic backward (residuals: ``x``,
+    ``scale``, one float32 per row), where Keras's autodiff keeps float32 copies of ``x``.
 
-    Left alone (``LEFT_ALONE``): ``Gemma3nRMSNorm``, ``T5LayerNorm`` and
-    ``EdRecRMSNormalization`` (statistics in the compute dtype, not float32),
-    ``keras_hub.layers.RMSNormalization`` (float32 output under every policy),
-    ``LayerNormalization(rms_scaling=True)`` (the variance, not the mean square),
-    ``keras.ops.rms_normalization`` (a function: call ``rms_norm`` instead), a call that
-    ``rms_norm`` cannot take (an integer ``x``, axes that are not the last ones), and
-    any class this patch does not know (a warning names a newer KerasHub's).
+    Left alone (``LEFT_ALONE``, with why): Gemma 3n's, T5's and EdRec's norms (statistics
+    in the compute dtype), ``keras_hub.layers.RMSNormalization``, ``keras.ops``'s function;
+    a call ``rms_norm`` cannot take; a class it does not know (a warning names it).
 
-    Before installing, each class is checked: its ``call(self, x)``, its constructor's
-    arguments, the weights its ``build`` makes (name, shape, trainability, initializer);
-    then it runs on a probe through ``__call__`` both ways under the ``float32``,
-    ``mixed_bfloat16`` and ``bfloat16`` policies (and ``autocast=False``), and refuses on a
-    difference: float32 outputs beyond 1e-6 relative, another dtype or shape, half
-    precision outputs that differ beyond a last-place rounding or in more than 1 % of
-    the elements. Installing and undoing call ``jax.clear_caches()``: a model's compiled
+    Before installing, each class's ``call``, constructor and weights are checked, then it
+    runs on a probe through ``__call__`` both ways under the ``float32``,
+    ``mixed_bfloat16`` and ``bfloat16`` policies, and a difference refuses the patch
+    (docs/integrations.md). Installing and undoing call ``jax.clear_caches()``: compiled
     ``predict``, ``fit`` and ``generate`` functions trace again at their next call.
 
     Args:
       implementation: passed to ``rms_norm``: ``"auto"`` (default), ``"xla"`` or
         ``"pallas"``.
-      families: the families to patch, by KerasHub's model folder: ``"gemma"``,
-        ``"gemma3"``, ``"gemma4"``, ``"llama"`` (Llama, Llama 3), ``"mistral"``,
-        ``"mixtral"``, ``"phi3"``, ``"qwen"``, ``"qwen_moe"``, ``"qwen3"``,
-        ``"qwen3_moe"``, ``"qwen3_5"``, ``"gpt_oss"``, ``"roformer_v2"``, and ``"keras"``
-        (``keras.layers.RMSNormalization``: SmolLM3, your own models); None (default):
-        every one this installation has.
+      families: the families to patch, by KerasHub's model folder (``"gemma"``,
+        ``"llama"`` for Llama and Llama 3, ...: the module's table; ``"keras"``:
+        ``keras.layers.RMSNormalization``); None (default): all this installation has.
       allow_unknown_versions: False (default) refuses a keras or keras-hub other than
         the minor versions this patch knows (3.15, 0.32); True patches the classes that
         pass the checks and the probe on this version.
