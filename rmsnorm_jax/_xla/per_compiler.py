@@ -142,6 +142,8 @@ def two_stage_column_sum(prod: jax.Array, keep: tuple[int, ...]) -> jax.Array:
         lead += 1
     rows = math.prod(prod.shape[:lead])
     columns = math.prod(prod.shape[i] for i in keep)
+    if not isinstance(rows, int):  # jax.export's symbolic rows: no groups to size
+        return jnp.sum(prod, contract, keepdims=True)
     per_group = rows_per_group(rows, columns)
     if per_group == 128:
         # Large sums: two stages only where XLA's H100 cost model has them cheaper.

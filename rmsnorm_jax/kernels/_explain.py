@@ -33,7 +33,7 @@ def describe(found: Route) -> str:
     """A route in words: ``"xla: why"``, or the implementation and each platform's path."""
     per_platform = "; ".join(_platform(found, p) for p in PLATFORMS if found.choices)
     if found.spec is None:
-        detail = f": {per_platform}" if found.request.implementation == "pallas" else ""
+        detail = f": {per_platform}" if found.request.implementation != "auto" else ""
         return f"xla: {found.reason}{detail}" if per_platform else f"xla: {found.reason}"
     return f"{found.request.implementation}: {per_platform}"
 

@@ -265,6 +265,8 @@ def select(
     """What computes ``step`` of the call on ``platform``, for the device ``target`` being
     compiled for and jax ``version`` (module doc). ``checked``: inside a ``shard_map``
     that checks varying axes, where Pallas' interpreter cannot run."""
+    if not isinstance(step.rows, int):  # jax.export's symbolic dimensions
+        return Choice(None, f"{step.rows} rows, not a number: the kernels size their grid by it")
     if request.implementation == "auto":
         name, reason = _win_backend(request, spec, platform, step, target, version)
     elif request.implementation == "pallas":
