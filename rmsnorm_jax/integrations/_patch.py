@@ -1,10 +1,10 @@
 """What every ``patch_<library>()`` shares: the :class:`Patch` it returns, the probe that
 checks a replacement against the library's own method before it is installed, and the
-installing and restoring of ``__call__`` on the library's classes.
+installing and restoring of that method on the library's classes.
 
-A patch replaces one method per class, ``__call__``, and nothing else: the library's
-constructors still build the parameters, so their names, shapes, dtypes and metadata are
-the library's own and checkpoints load unchanged. Every object that holds the class
+A patch replaces one method per class, ``__call__`` (Keras's: ``call``), and nothing else:
+the library's constructors still build the parameters, so their names, shapes, dtypes and
+metadata are the library's own and checkpoints load unchanged. Every object that holds the class
 (imported by name, subclassed, wrapped) gets the new method, whether its model was built
 before or after the patch.
 """
@@ -87,28 +87,29 @@ def is_static_number(eps: Any) -> bool:
     return isinstance(eps, (int, float, np.floating, np.integer)) and not isinstance(eps, bool)
 
 
-def own_call(cls: type, library: str) -> Callable:
-    """The library's own ``cls.__call__``, seen through any patch of ours."""
-    method = cls.__dict__.get("__call__")
+def own_call(cls: type, library: str, name: str = "__call__") -> Callable:
+    """The library's own method ``name`` of ``cls``, seen through any patch of ours."""
+    method = cls.__dict__.get(name)
     if not callable(method):
         raise RuntimeError(
-            f"{cls.__module__}.{cls.__qualname__} defines no __call__ of its own; this "
+            f"{cls.__module__}.{cls.__qualname__} defines no {name} of its own; this "
             f"version of {library} is not the shape rmsnorm_jax.integrations knows. "
             "Please report it with the version."
         )
     return getattr(method, _ORIGINAL, method)
 
 
-def restore(cls: type) -> None:
-    """Puts back the library's own ``cls.__call__`` (a no-op where it is not patched)."""
-    method = cls.__dict__.get("__call__")
+def restore(cls: type, name: str = "__call__") -> None:
+    """Puts back the library's own method ``name`` of ``cls`` (a no-op where it is not
+    patched)."""
+    method = cls.__dict__.get(name)
     original = getattr(method, _ORIGINAL, None)
     if original is not None:
-        type.__setattr__(cls, "__call__", original)
+        type.__setattr__(cls, name, original)
 
 
-def target_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}.__call__"
+def target_name(cls: type, name: str = "__call__") -> str:
+    return f"{cls.__module__}.{cls.__qualname__}.{name}"
 
 
 def linen_method(call: Callable) -> Callable:
@@ -273,13 +274,15 @@ def _differences(case: Case, ours: Case) -> str | None:
 
 @dataclasses.dataclass
 class Swap:
-    """One class's ``__call__`` to replace: ``make(original, implementation, hit)``
-    builds the replacement; ``probe(method)`` runs the class with ``method`` (the
-    library's own, then ours) on probe inputs and returns the :class:`Case` s."""
+    """One class's method to replace: ``make(original, implementation, hit)`` builds the
+    replacement; ``probe(method)`` runs the class with ``method`` (the library's own, then
+    ours) on probe inputs and returns the :class:`Case` s; ``check()``, where given, raises
+    where the class is not the shape the patch knows, before any probe (at every patch)."""
 
     cls: type
     make: Callable[[Callable, str, Callable[[], None]], Callable]
     probe: Callable[[Callable], list[Case]]
+    check: Callable[[], None] | None = None
 
 
 def _probe(library: str, function: str, swap: Swap, method: Callable, whose: str) -> list[Case]:
@@ -307,26 +310,37 @@ def _maker_key(make) -> tuple:
     return (make.__module__, make.__qualname__)
 
 
-def apply(library: str, function: str, swaps: Sequence[Swap], implementation: str) -> Patch:
-    """Checks every swap on its probe, then installs them all; a :class:`Patch`.
+def apply(
+    library: str,
+    function: str,
+    swaps: Sequence[Swap],
+    implementation: str,
+    name: str = "__call__",
+    compare: Callable[[Case, Case], str | None] = _differences,
+) -> Patch:
+    """Checks every swap on its probe, then installs them all as each class's method
+    ``name``; a :class:`Patch`. ``compare(theirs, ours)`` says how a probe case differs.
 
     Nothing is installed unless every class passes: a RuntimeError names the class, the
     probe case and the difference.
     """
     check_implementation(implementation)
-    reach = Reach([target_name(s.cls) for s in swaps])
+    reach = Reach([target_name(s.cls, name) for s in swaps])
     planned = []
     for swap in swaps:
-        original = own_call(swap.cls, library)
-        replacement = swap.make(original, implementation, reach.counter(target_name(swap.cls)))
+        original = own_call(swap.cls, library, name)
+        hit = reach.counter(target_name(swap.cls, name))
+        replacement = swap.make(original, implementation, hit)
         planned.append((swap.cls, original, replacement))
+        if swap.check is not None:  # cheap, and the class may have changed since
+            swap.check()
         key = (swap.cls, original, _maker_key(swap.make), implementation)
         if key in _VERIFIED:
             continue
-        theirs = _probe(library, function, swap, original, f"{library}'s own __call__")
+        theirs = _probe(library, function, swap, original, f"{library}'s own {name}")
         ours = _probe(library, function, swap, replacement, "the rms_norm replacement")
         for case, mine in zip(theirs, ours, strict=True):
-            difference = _differences(case, mine)
+            difference = compare(case, mine)
             if difference is not None:
                 raise RuntimeError(
                     f"{function} refused {swap.cls.__module__}.{swap.cls.__qualname__}: "
@@ -337,15 +351,16 @@ def apply(library: str, function: str, swaps: Sequence[Swap], implementation: st
         _VERIFIED.add(key)
     replaced = []
     for cls, original, replacement in planned:
-        before = cls.__dict__["__call__"]
+        before = cls.__dict__[name]
         setattr(replacement, _ORIGINAL, original)
-        type.__setattr__(cls, "__call__", replacement)
+        type.__setattr__(cls, name, replacement)
         replaced.append((cls, before))
     reach.reset()
-    # A trace made with the old method (a jitted step, gemma's nn.jit over the model)
-    # would keep it: every trace is dropped, so the next call traces the new one.
+    # A trace made with the old method (a jitted step, gemma's nn.jit over the model, a
+    # Keras model's predict, train and generate functions) would keep it: every trace is
+    # dropped, so the next call traces the new one.
     jax.clear_caches()
-    return Patch(library, replaced, implementation, reach)
+    return Patch(library, replaced, implementation, reach, name)
 
 
 class Patch:
@@ -358,8 +373,9 @@ class Patch:
 
     Attributes:
       library: the library patched (``"tunix"``, ``"gemma"``, ``"equinox"``, ``"flax"``,
-        ``"MaxText"``).
-      targets: the replaced methods, as ``"module.Class.__call__"``.
+        ``"MaxText"``, ``"keras"``).
+      targets: the replaced methods, as ``"module.Class.__call__"`` (Keras's:
+        ``"module.Class.call"``).
       implementation: the ``implementation=`` the patched methods pass to ``rms_norm``.
       calls: how many norm calls went through ``rms_norm`` in the patched methods since
         patching: each trace of a jitted function counts its norms once, each eager call
@@ -370,13 +386,19 @@ class Patch:
     """
 
     def __init__(
-        self, library: str, replaced: list[tuple[type, Callable]], implementation: str, reach
+        self,
+        library: str,
+        replaced: list[tuple[type, Callable]],
+        implementation: str,
+        reach,
+        name: str = "__call__",
     ):
         self.library = library
         self._replaced = tuple(replaced)
         self._reach = reach
+        self._name = name
         self.implementation = implementation
-        self.targets = tuple(target_name(c) for c, _ in replaced)
+        self.targets = tuple(target_name(c, name) for c, _ in replaced)
 
     @property
     def calls(self) -> int:
@@ -391,7 +413,7 @@ class Patch:
         if not self._replaced:
             return
         for cls, before in reversed(self._replaced):
-            type.__setattr__(cls, "__call__", before)
+            type.__setattr__(cls, self._name, before)
         self._replaced = ()
         jax.clear_caches()
 
@@ -407,8 +429,8 @@ class Patch:
             reach = "reached nothing: 0 norm calls through rms_norm since patching"
         else:
             per = ", ".join(
-                f"{name.removesuffix('.__call__')}: {n}"
-                for name, n in self._reach.counts.items()
+                f"{target.removesuffix('.' + self._name)}: {n}"
+                for target, n in self._reach.counts.items()
                 if n
             )
             reach = f"{self.calls} norm calls through rms_norm since patching ({per})"
@@ -418,10 +440,10 @@ class Patch:
         )
 
 
-def restore_all(classes: Sequence[type]) -> None:
+def restore_all(classes: Sequence[type], name: str = "__call__") -> None:
     """``unpatch_<library>()``: the library's own methods, and jax's traces dropped."""
-    patched = [cls for cls in classes if hasattr(cls.__dict__.get("__call__"), _ORIGINAL)]
+    patched = [cls for cls in classes if hasattr(cls.__dict__.get(name), _ORIGINAL)]
     for cls in patched:
-        restore(cls)
+        restore(cls, name)
     if patched:
         jax.clear_caches()

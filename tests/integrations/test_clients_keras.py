@@ -32,7 +32,7 @@ keras_hub = pytest.importorskip(
 )
 
 from rmsnorm_jax import integrations  # noqa: E402
-from rmsnorm_jax.integrations import _keras  # noqa: E402
+from rmsnorm_jax.integrations import _keras, _keras_classes  # noqa: E402
 
 pytestmark = pytest.mark.clients
 
@@ -75,7 +75,7 @@ BACKBONES = {
 
 
 def norm_classes():
-    return tuple(cls for classes in _keras._classes().values() for _, cls in classes)
+    return tuple(cls for found in _keras_classes.classes().values() for _, cls in found)
 
 
 def norms(model):
