@@ -98,7 +98,10 @@ def load(name: str) -> tuple[Backend | None, str]:
         importlib.import_module(entry.needs)
     except ImportError:
         return None, f"jax {jax.__version__} has no {entry.needs}"
-    return entry.loader(), ""
+    try:
+        return entry.loader(), ""
+    except ImportError as err:  # an older jax's dialect without what our kernels use
+        return None, f"the {name} kernels do not import on jax {jax.__version__}: {err}"
 
 
 def _seen_from(target: _device.Target, platform: str) -> _device.Target:
