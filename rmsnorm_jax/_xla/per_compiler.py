@@ -53,6 +53,28 @@ def _same_vma(operands):
     return jax.tree.unflatten(tree, leaves)
 
 
+def parameter_pass_inputs(x, dy, row_stat):
+    """``(x, dy, row_stat)`` as the parameter gradients' pass reads them: on XLA:CPU all
+    three through a barrier (``cpu_barrier``); on GPUs ``dy`` alone through one.
+
+    On a GPU the pass is the scale gradient's first-stage column sum, into which XLA
+    fuses ``dy``'s producer. Where that producer reads an operand that other layers' norms
+    read too (a model's RoPE tables, under a per-head QK-norm), XLA:GPU merges the
+    layers' sums into one multi-output kernel scheduled late, keeping each layer's
+    activations alive until it runs (``docs/xla-programs.md``). Reading ``dy`` through a
+    barrier keeps each sum to its own norm. Where ``dy`` is already in memory (an
+    argument, a matmul's output) the barrier changes nothing; it changes no rounding.
+    """
+    return lax.platform_dependent(
+        (x, dy, row_stat), cpu=_barrier, cuda=_dy_barrier, rocm=_dy_barrier, default=_same_vma
+    )
+
+
+def _dy_barrier(operands):
+    x, dy, row_stat = operands
+    return _same_vma((x, lax.optimization_barrier(dy), row_stat))
+
+
 def on_gpu(operands, gpu, default):
     """``gpu(operands)`` when lowering for CUDA or ROCm, ``default(operands)`` elsewhere."""
     return lax.platform_dependent(operands, cuda=gpu, rocm=gpu, default=default)
