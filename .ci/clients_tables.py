@@ -71,8 +71,17 @@ TARGETS = {"cpu": "XLA:CPU", "h100": "H100", "tpu-v5e:2x2": "TPU v5e"}
 
 def _config(row: dict) -> tuple:
     """What a row of the memory table is: library, model, dtype (a Keras row's is its dtype
-    policy), remat, and the vocabulary where it is not the 32,768 of the others."""
-    return (row["library"], row["model"], row["dtype"], row["remat"], row.get("vocab"))
+    policy), remat, and the vocabulary and MLP width where they are not the 32,768 and
+    2,048 of the others."""
+    return (row["library"], row["model"], row["dtype"], row["remat"], row.get("vocab"),
+            row.get("mlp"))  # fmt: skip
+
+
+def _model(config: tuple) -> str:
+    """A row's library and model, with what differs from the others' sizes."""
+    library, model, _, _, vocab, mlp = config
+    sizes = ([f"vocabulary {vocab:,}"] if vocab else []) + ([f"MLP {mlp:,}"] if mlp else [])
+    return f"{library} {model}" + (f" ({', '.join(sizes)})" if sizes else "")
 
 
 def memory(saved: dict) -> str:
@@ -98,10 +107,9 @@ def memory(saved: dict) -> str:
         for target in TARGETS:
             r = cell.get((*config, target))
             cells.append(f"{r['ratio']:.3f} ({r['theirs_MiB']:,.0f})" if r else "not measured")
-        library, model, dtype, remat, vocab = config
-        model += f" (vocabulary {vocab:,})" if vocab else ""
+        _, _, dtype, remat, _, _ = config
         lines.append(
-            f"| {library} {model} | {dtype} | {remat.lower()} | " + " | ".join(cells) + " |"
+            f"| {_model(config)} | {dtype} | {remat.lower()} | " + " | ".join(cells) + " |"
         )
     live = [r for r in rows if "theirs_live_MiB" in r]
     if live:
@@ -120,6 +128,22 @@ def memory(saved: dict) -> str:
                 f"| {r['library']} {r['model']} | {r['dtype']} | {r['remat'].lower()} | "
                 f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['theirs_live_MiB']:,.1f} | "
                 f"{r['ours_live_MiB']:,.1f} | {r['ours_live_MiB'] / r['theirs_live_MiB']:.3f} |"
+            )
+    direct = [r for r in rows if "direct_MiB" in r]
+    if direct:
+        lines += [
+            "",
+            "Issue 45's measurement beside `patch_keras()` (`--direct`): each KerasHub norm "
+            "class's `call` replaced by a plain `rms_norm` call, compiled in the same step:",
+            "",
+            "| library, model | dtype | target | theirs MiB | ours MiB | direct swap MiB | ratio |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        for r in direct:
+            lines.append(
+                f"| {_model(_config(r))} | {r['dtype']} | {TARGETS[r['target']]} | "
+                f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['direct_MiB']:,.1f} | "
+                f"{r['ratio']:.3f} |"
             )
     layered = [r for r in saved["rows"] if "buffers_theirs" in r]
     for library in dict.fromkeys(r["library"] for r in layered):  # a table per library

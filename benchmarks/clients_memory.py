@@ -37,6 +37,7 @@ from rmsnorm_jax import aot, integrations  # noqa: E402
 from .report import command, commit, dumps  # noqa: E402
 
 BATCH, LENGTH, VOCAB = 4, 512, 32768
+MLP = 2048  # keras: the MLP's width (--mlp)
 LAYERS: dict[str, int] = {}  # --layers: a model's layer count, in place of its default
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -157,7 +158,7 @@ def _keras(name: str, policy: str, remat: str):
     # hidden 512 in 4 heads of 128 (2 key-value heads; Gemma 3 one, as its 270M and 1B),
     # 4 layers; Gemma with Gemma 2's post-norms, Gemma 3 with its QK-norm too.
     kw = dict(vocabulary_size=VOCAB, num_layers=LAYERS.get(name, 4), hidden_dim=512,
-              intermediate_dim=2048, num_query_heads=4, num_key_value_heads=2,
+              intermediate_dim=MLP, num_query_heads=4, num_key_value_heads=2,
               dtype=policy)  # fmt: skip
     post = dict(use_post_ffw_norm=True, use_post_attention_norm=True)
     kw |= {
@@ -176,6 +177,46 @@ def _keras(name: str, policy: str, remat: str):
         return model.stateless_call(params, frozen, x)[0]
 
     return trainable, logits
+
+
+class KerasDirect:
+    """Issue 45's measurement: each norm class of the five KerasHub models above with its
+    ``call`` replaced by a plain ``rms_norm`` call in ``rms_norm``'s own semantics (its
+    output dtype rules, the layer's ``scale`` and ``epsilon``), written without
+    ``patch_keras``'s machinery; a context like a ``Patch`` (``calls``, ``undo()``)."""
+
+    CLASSES = (  # (module under keras_hub.src.models, class, scale offset)
+        ("gemma.rms_normalization", "RMSNormalization", 1.0),
+        ("gemma3.gemma3_layers", "RMSNormalization", 1.0),
+        ("llama.llama_layernorm", "LlamaLayerNorm", 0.0),
+        ("qwen3.qwen3_layernorm", "Qwen3LayerNorm", 0.0),
+        ("mistral.mistral_layer_norm", "MistralLayerNormalization", 0.0),
+    )
+
+    def __init__(self):
+        import importlib
+
+        from rmsnorm_jax import rms_norm
+
+        self.calls, self._saved = 0, []
+
+        def direct(offset):
+            def call(layer, x):
+                self.calls += 1
+                return rms_norm(x, layer.scale, layer.epsilon, scale_offset=offset)
+
+            return call
+
+        for module, name, offset in self.CLASSES:
+            cls = getattr(importlib.import_module(f"keras_hub.src.models.{module}"), name)
+            self._saved.append((cls, cls.__dict__["call"]))
+            cls.call = direct(offset)
+        jax.clear_caches()
+
+    def undo(self):
+        for cls, call in self._saved:
+            cls.call = call
+        jax.clear_caches()
 
 
 KERAS = [(name, policy, "NONE") for name in ("gemma", "gemma3", "llama", "qwen3", "mistral")
@@ -249,14 +290,18 @@ def live_peak() -> int:
 ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant"}
 
 
-def temp_bytes(build, patch, config, target, buffers=None, live=None) -> tuple[int, int]:
-    """(the library's norm, ours): temp bytes of the compiled value_and_grad step; each
-    program's ``activation_buffers`` appended to a list ``buffers``, its ``live_peak()``
-    to a list ``live`` (XLA:CPU, ``--live``)."""
+def temp_bytes(
+    build, patch, config, target, *, more=(), buffers=None, live=None, estimates=None
+) -> tuple[int, ...]:
+    """(the library's norm, ours, then one per context maker of ``more``): temp bytes of
+    the compiled value_and_grad step; each program's ``activation_buffers`` appended to a
+    list ``buffers``, its ``live_peak()`` to a list ``live`` (XLA:CPU, ``--live``), the
+    compiler's cost-model estimate of the whole step to a list ``estimates`` (a GPU's
+    microseconds, a TPU's cycles; None on XLA:CPU)."""
     mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("devices",))
     result = []
-    for patched in (False, True):
-        context = patch() if patched else None
+    for maker in (None, patch, *more):
+        patched = maker() if maker else None
         try:
             params, logits = build(*config)
 
@@ -273,10 +318,12 @@ def temp_bytes(build, patch, config, target, buffers=None, live=None) -> tuple[i
                 buffers.append(activation_buffers(compiled.as_text()))
             if live is not None:
                 live.append(live_peak())
-            assert not patched or context.calls > 0, repr(context)  # the model was reached
+            if estimates is not None:
+                estimates.append(aot.estimate(compiled, target))
+            assert patched is None or patched.calls > 0, repr(patched)  # the model was reached
         finally:
-            if context is not None:
-                context.undo()
+            if patched is not None:
+                patched.undo()
     return tuple(result)
 
 
@@ -286,6 +333,8 @@ OPTIONS = [
     ("--out", dict(required=True)),
     ("--layers", dict(type=int, default=0, help="the tunix models' layer count (default: theirs)")),
     ("--vocab", dict(type=int, default=VOCAB, help="the vocabulary (default: 32768)")),
+    ("--mlp", dict(type=int, default=MLP, help="keras: the MLP's width (default: 2048)")),
+    ("--direct", dict(action="store_true", help="keras: issue 45's direct swap beside ours")),
     ("--merge", dict(help="a results file whose other rows --out keeps")),
     ("--live", dict(action="store_true", help="XLA:CPU: the most temporaries live at once")),
     ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
@@ -298,8 +347,8 @@ def main() -> None:
     for flag, kw in OPTIONS:
         parser.add_argument(flag, **kw)
     args = parser.parse_args()
-    global VOCAB
-    VOCAB = args.vocab
+    global VOCAB, MLP
+    VOCAB, MLP = args.vocab, args.mlp
     build, patch, configs = LIBRARIES[args.library]
     only = args.only.split(",")
     configs = [c for c in configs if not args.only or c[0] in only or f"{c[0]}:{c[2]}" in only]
@@ -312,13 +361,22 @@ def main() -> None:
             LAYERS.update({model: args.layers} if args.layers else {})
             buffers = [] if args.buffers else None
             live = [] if args.live and target.name == "cpu" else None
-            theirs, ours = temp_bytes(build, patch, (model, dtype, remat), target, buffers, live)
+            more, estimates = (KerasDirect,) if args.direct else (), []
+            found = temp_bytes(build, patch, (model, dtype, remat), target, more=more,
+                               buffers=buffers, live=live, estimates=estimates)  # fmt: skip
+            theirs, ours = found[:2]
             name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
             row = dict(library=args.library, model=model, dtype=name, remat=remat)
             row |= dict(target=target.name, theirs_MiB=round(theirs / 2**20, 1))
             row |= dict(ours_MiB=round(ours / 2**20, 1), ratio=round(ours / theirs, 3))
             row |= {"layers": args.layers} if args.layers else {}
             row |= {"vocab": VOCAB} if VOCAB != 32768 else {}
+            row |= {"mlp": MLP} if MLP != 2048 else {}
+            row |= {"direct_MiB": round(found[2] / 2**20, 1)} if args.direct else {}
+            if target.estimate_unit is not None:  # the step's cost model: us or cycles
+                theirs_e, ours_e = (round(e, 1) for e in estimates[:2])
+                row |= dict(estimate_unit=target.estimate_unit, theirs_estimate=theirs_e)
+                row |= dict(ours_estimate=ours_e)
             row |= {"buffers_theirs": buffers[0], "buffers_ours": buffers[1]} if buffers else {}
             mib = [round(b / 2**20, 1) for b in live or []]
             row |= {"theirs_live_MiB": mib[0], "ours_live_MiB": mib[1]} if mib else {}
@@ -334,7 +392,7 @@ def main() -> None:
 
 def _key(row: dict) -> tuple:
     """What a row measures: the same key in two runs is the same measurement."""
-    keys = ("library", "model", "dtype", "remat", "target", "layers", "vocab")
+    keys = ("library", "model", "dtype", "remat", "target", "layers", "vocab", "mlp")
     return tuple(row.get(k) for k in keys)
 
 

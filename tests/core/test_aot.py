@@ -128,6 +128,21 @@ def test_mesh_must_fit_the_target():
 # ---------------------------------------------------------------- rms_norm and the Modules
 
 
+def _tensor(shape, dtype) -> str:
+    """A StableHLO tensor type: ``tensor<256x1024xbf16>``."""
+    name = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}[jnp.dtype(dtype).name]
+    return f"tensor<{'x'.join(map(str, shape))}x{name}>"
+
+
+def _accelerator_barriers(lowered, target, *dys):
+    """No XLA:CPU barrier reaches an accelerator program. A GPU program's backward reads
+    each norm's ``dy`` (types ``dys``, one per norm) through one barrier of its own, for
+    its parameter gradients (``per_compiler.parameter_pass_inputs``); a TPU program, and
+    any forward, has none."""
+    found = aot.barriers(lowered)
+    assert found == ([(dy,) for dy in dys] if target.platform == "cuda" else []), found
+
+
 def _fwd_bwd(fn):
     def run(x, scale, bias, dy):
         y, vjp = jax.vjp(fn, x, scale, bias)
@@ -161,9 +176,13 @@ def test_rms_norm_compiles_without_cpu_workarounds(
     def norm(x, scale, bias):
         return rms_norm(x, scale, bias=bias, axis=axis, p=p, scale_offset=offset, dtype=x.dtype)
 
-    for fn, args in ((norm, (x, scale, bias)), (_fwd_bwd(norm), (x, scale, bias, x))):
+    dy = _tensor(shape, dtype)
+    for fn, args, dys in (
+        (norm, (x, scale, bias), ()),
+        (_fwd_bwd(norm), (x, scale, bias, x), (dy,)),
+    ):
         lowered = jax.jit(fn).lower(*args)
-        assert not aot.has_barrier(lowered)
+        _accelerator_barriers(lowered, target, *dys)
         compiled = lowered.compile(compiler_options=target.compiler_options)
         assert aot.kernels(compiled, target), "every kernel carries the compiler's estimate"
 
@@ -246,9 +265,10 @@ def test_features_split_over_a_mesh_axis(target_name):
         in_specs=(P("data", "model"), P("model"), P()),
         out_specs=P("data", "model"),
     )
-    for fn in (mapped, lambda x, s, b: rms_norm(x, s, p=0.25, dtype=x.dtype)):
+    plain = lambda x, s, b: rms_norm(x, s, p=0.25, dtype=x.dtype)
+    for fn, dy in ((mapped, (32, 256)), (plain, (64, 512))):  # shard_map: a device's block
         lowered = jax.jit(_fwd_bwd(fn)).lower(x, scale, None, x)
-        assert not aot.has_barrier(lowered)
+        _accelerator_barriers(lowered, target, _tensor(dy, jnp.bfloat16))
         text = lowered.compile(compiler_options=target.compiler_options).as_text()
         assert "all-reduce" in text  # the statistic (and the scale gradient) summed
 
@@ -265,8 +285,9 @@ def test_modules_compile(target_name):
     def linen_loss(v, x):
         return jnp.sum(linen.apply(v, x).astype(jnp.float32))
 
+    dy = _tensor((8, 128, 256), jnp.float32)  # the Modules' output: promoted with the params
     lowered = jax.jit(jax.grad(linen_loss)).lower(params, x)
-    assert not aot.has_barrier(lowered)
+    _accelerator_barriers(lowered, target, dy)
     lowered.compile(compiler_options=target.compiler_options)
 
     layer = rmsnorm_jax.nnx.RMSNorm(256, p=0.5, rngs=nnx.Rngs(0))
@@ -277,7 +298,7 @@ def test_modules_compile(target_name):
         return jnp.sum(nnx.merge(graphdef, state)(x).astype(jnp.float32))
 
     lowered = jax.jit(jax.grad(nnx_loss)).lower(abstract_state, x)
-    assert not aot.has_barrier(lowered)
+    _accelerator_barriers(lowered, target, dy)
     lowered.compile(compiler_options=target.compiler_options)
 
 
@@ -436,7 +457,12 @@ def test_fused_ops_compile_without_cpu_workarounds(target_name):
     def gated_loss(x, z, s):
         return jnp.sum(rmsnorm_jax.gated_rms_norm(x, z, s, group_size=256))
 
-    for loss, args in ((add_loss, (x, stream, scale)), (gated_loss, (x, x, scale))):
+    # y in float32 (x promoted with the float32 stream, the scale); gated: 4 groups of 256
+    cases = (
+        (add_loss, (x, stream, scale), (256, 1024)),
+        (gated_loss, (x, x, scale), (256, 4, 256)),
+    )
+    for loss, args, dy in cases:
         lowered = jax.jit(jax.grad(loss, (0, 1, 2))).lower(*args)
-        assert not aot.has_barrier(lowered)
+        _accelerator_barriers(lowered, target, _tensor(dy, jnp.float32))
         lowered.compile(compiler_options=target.compiler_options)
