@@ -242,7 +242,7 @@ def backward_parts(cfg: NormConfig, x, scale, mask, row_stat, dy):
     dscale = dbias = None
     if scale is None and cfg.bias_type is None:
         return dx, dscale, dbias
-    x_p, dy_p, row_stat_p = parameter_pass_inputs(x, dy, row_stat)
+    x_p, dy_p, row_stat_p = parameter_pass_inputs(x, dy, row_stat, cfg.n)
     dy_pf = dy_p.astype(cd)
     if scale is not None:
         dyhat = dy_pf * _inv_rms(cfg, row_stat_p)
