@@ -21,13 +21,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .._config import NormConfig
 from .._types import explicit_spec, match_vma, vma
-from .per_compiler import (
-    cpu_barrier,
-    on_backend,
-    parameter_pass_inputs,
-    tpu_column_sum,
-    two_stage_column_sum,
-)
+from .per_compiler import cpu_barrier, on_backend, tpu_column_sum, two_stage_column_sum
 
 STAT_NAME = "rms_norm_stat"
 OUT_NAME = "rms_norm_out"
@@ -239,11 +233,9 @@ def backward_parts(cfg: NormConfig, x, scale, mask, row_stat, dy):
         correction = jnp.where(membership, correction, 0)
     dx = _inv_rms(cfg, row_stat_d) * _scaled(cfg, dy_d.astype(cd), scale_d) - correction
 
-    dscale = dbias = None
-    if scale is None and cfg.bias_type is None:
-        return dx, dscale, dbias
-    x_p, dy_p, row_stat_p = parameter_pass_inputs(x, dy, row_stat, cfg.n)
+    x_p, dy_p, row_stat_p = cpu_barrier((x, dy, row_stat))
     dy_pf = dy_p.astype(cd)
+    dscale = dbias = None
     if scale is not None:
         dyhat = dy_pf * _inv_rms(cfg, row_stat_p)
         dscale = parameter_cotangent(dyhat, x_p.astype(cd), jax.typeof(scale))

@@ -53,36 +53,6 @@ def _same_vma(operands):
     return jax.tree.unflatten(tree, leaves)
 
 
-# The widest rows that are one attention head's (a QK-norm's): Gemma 3's head of 256.
-HEAD_FEATURES = 256
-
-
-def parameter_pass_inputs(x, dy, row_stat, features: int):
-    """``(x, dy, row_stat)`` as the parameter gradients' pass reads them: on XLA:CPU all
-    three through a barrier (``cpu_barrier``); on GPUs a per-head norm's 16-bit ``dy``
-    (rows of ``features`` <= ``HEAD_FEATURES`` elements) through one.
-
-    On a GPU the pass is the scale gradient's first-stage column sum, into which XLA
-    fuses ``dy``'s producer. Under a QK-norm that producer is the RoPE backward, whose
-    tables every layer reads, and XLA:GPU merges the layers' sums into one multi-output
-    kernel scheduled late, keeping each layer's activations alive until it runs. Reading
-    ``dy`` through a barrier keeps each sum to its own norm, at the cost of writing
-    ``dy`` once; it never changes a rounding. A model-wide norm's ``dy`` comes from
-    matmuls, and a float32 ``dy``'s copy is twice the bytes: both are left as they are
-    (the measurements: ``docs/xla-programs.md``, item 5).
-    """
-    per_head = jnp.finfo(dy.dtype).bits <= 16 and features <= HEAD_FEATURES
-    gpu = _dy_barrier if per_head else _same_vma
-    return lax.platform_dependent(
-        (x, dy, row_stat), cpu=_barrier, cuda=gpu, rocm=gpu, default=_same_vma
-    )
-
-
-def _dy_barrier(operands):
-    x, dy, row_stat = operands
-    return _same_vma((x, lax.optimization_barrier(dy), row_stat))
-
-
 def on_gpu(operands, gpu, default):
     """``gpu(operands)`` when lowering for CUDA or ROCm, ``default(operands)`` elsewhere."""
     return lax.platform_dependent(operands, cuda=gpu, rocm=gpu, default=default)
