@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import grad_rel, rel
 
 from rmsnorm_jax import integrations
 from rmsnorm_jax.integrations._patch import trained_like
@@ -97,21 +98,6 @@ def loss(model):
 @eqx.filter_jit
 def loss_and_grads(model):
     return eqx.filter_value_and_grad(loss, has_aux=True)(model)
-
-
-def rel(ours, theirs):
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
-
-
-def grad_rel(ours, theirs, largest):
-    """max |ours - theirs| over the leaf's own largest gradient, or over 1 % of the
-    model's largest where the leaf's is smaller: a gradient that is zero in exact
-    arithmetic (a scalar before a norm, which is scale-invariant) is rounding noise in
-    float32 in both models, and only its absolute size can be compared."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    scale = max(float(np.max(np.abs(theirs))), 0.01 * largest)
-    return float(np.max(np.abs(ours - theirs))) / scale
 
 
 def arrays(model):

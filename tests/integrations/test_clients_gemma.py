@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import grad_rel, rel, rel_l2
 
 from rmsnorm_jax import integrations
 
@@ -117,27 +118,6 @@ def norm_calls(model, params):
     with nn.intercept_methods(interceptor):
         jax.eval_shape(lambda p: logits(model, p), params)
     return count
-
-
-def rel(ours, theirs):
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    scale = np.max(np.abs(theirs))
-    return float(np.max(np.abs(ours - theirs)) / scale) if scale else float(np.any(ours))
-
-
-def grad_rel(ours, theirs, largest):
-    """max |ours - theirs| over the leaf's own largest gradient, or over 1 % of the
-    model's largest where the leaf's is smaller: a gradient that is zero in exact
-    arithmetic (a scalar before a norm, which is scale-invariant) is rounding noise in
-    float32 in both models, and only its absolute size can be compared."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    scale = max(float(np.max(np.abs(theirs))), 0.01 * largest)
-    return float(np.max(np.abs(ours - theirs))) / scale
-
-
-def rel_l2(ours, reference):
-    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
 @pytest.fixture(autouse=True)

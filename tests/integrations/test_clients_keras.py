@@ -31,6 +31,8 @@ keras_hub = pytest.importorskip(
     "keras_hub", reason="keras-hub is not installed (.ci/clients.sh: 0.32.0, --no-deps)"
 )
 
+from helpers import grad_rel, rel, rel_l2  # noqa: E402
+
 from rmsnorm_jax import integrations  # noqa: E402
 from rmsnorm_jax.integrations import _keras, _keras_classes  # noqa: E402
 
@@ -133,27 +135,6 @@ def loss_and_grads(model, x, weights):
         return sum(jax.tree.leaves(terms)), out
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable)
-
-
-def rel(ours, theirs):
-    """max |ours - theirs| / max |theirs| (0 where both are all zeros)."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    scale = np.max(np.abs(theirs))
-    return float(np.max(np.abs(ours - theirs)) / scale) if scale else float(np.any(ours))
-
-
-def grad_rel(ours, theirs, largest):
-    """max |ours - theirs| over the variable's own largest gradient, or over 1 % of the
-    model's largest where the variable's is smaller (a gradient that is zero in exact
-    arithmetic is rounding noise in both, comparable only in absolute size)."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    scale = max(float(np.max(np.abs(theirs))), 0.01 * largest)
-    return float(np.max(np.abs(ours - theirs))) / scale
-
-
-def rel_l2(ours, reference):
-    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
 def own_calls():

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import grad_rel, rel, rel_l2
 
 from rmsnorm_jax import integrations
 from rmsnorm_jax.integrations import _tunix
@@ -141,28 +142,6 @@ def loss_and_grads(model):
         return nll.mean(), logits
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-
-
-def rel(ours, theirs):
-    """max |ours - theirs| / max |theirs| (0 where both are all zeros)."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    scale = np.max(np.abs(theirs))
-    return float(np.max(np.abs(ours - theirs)) / scale) if scale else float(np.any(ours))
-
-
-def grad_rel(ours, theirs, largest):
-    """max |ours - theirs| over the leaf's own largest gradient, or over 1 % of the
-    model's largest where the leaf's is smaller: a gradient that is zero in exact
-    arithmetic (a scalar before a norm, which is scale-invariant) is rounding noise in
-    float32 in both models, and only its absolute size can be compared."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    scale = max(float(np.max(np.abs(theirs))), 0.01 * largest)
-    return float(np.max(np.abs(ours - theirs))) / scale
-
-
-def rel_l2(ours, reference):
-    ours, reference = np.asarray(ours, np.float64), np.asarray(reference, np.float64)
-    return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
 def signature(model):

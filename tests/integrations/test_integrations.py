@@ -20,7 +20,15 @@ import maxtext_standin
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close, devices_for, multi_device_mesh, offset_normal, to64, tol
+from helpers import (
+    assert_close,
+    devices_for,
+    multi_device_mesh,
+    offset_normal,
+    rel_l2,
+    to64,
+    tol,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from maxtext_standin import RMSNorm as NormImportedByName  # as llama2.py imports it
@@ -109,10 +117,6 @@ def oracle(x, scale, scale_offset=0.0):
     with jax.enable_x64(True):
         x64, s64 = to64((x, scale))
         return np.asarray(rms_norm_reference(x64, s64, EPS, scale_offset=scale_offset))
-
-
-def rel_l2(y, ref):
-    return float(np.linalg.norm(np.asarray(y, np.float64) - ref) / np.linalg.norm(ref))
 
 
 # ---------------------------------------------------------------- the stand-in is MaxText's
