@@ -64,6 +64,19 @@ def _plain(family: str, module: str, name: str) -> Norm:
     return Norm(f"{_HUB}{family}.{module}", name)
 
 
+def _per_head(family: str, module: str, name: str, **kw: Any) -> Norm:
+    """A Qwen 3-style class: built with ``head_dim`` (its QK-norm's), output in ``x``'s
+    dtype, probed with the ``_HEAD`` variants too."""
+    return Norm(
+        f"{_HUB}{family}.{module}",
+        name,
+        output="input",
+        init_args=("head_dim", "epsilon"),
+        variants=_HEAD,
+        **kw,
+    )
+
+
 # family: its norm classes. A family is KerasHub's model folder; models that reuse a
 # class are reached through its family (llama3 through llama, pali_gemma and t5gemma
 # through gemma, t5gemma2 through gemma3, qwen3_5_moe through qwen3_5, smollm3 through
@@ -82,42 +95,12 @@ FAMILIES: dict[str, tuple[Norm, ...]] = {
     "phi3": (_plain("phi3", "phi3_layernorm", "Phi3LayerNorm"),),
     "qwen": (_plain("qwen", "qwen_layernorm", "QwenLayerNorm"),),
     "qwen_moe": (_plain("qwen_moe", "qwen_moe_layernorm", "QwenMoeLayerNorm"),),
-    "qwen3": (
-        Norm(
-            f"{_HUB}qwen3.qwen3_layernorm",
-            "Qwen3LayerNorm",
-            output="input",
-            init_args=("head_dim", "epsilon"),
-            variants=_HEAD,
-        ),
-    ),
-    "qwen3_moe": (
-        Norm(
-            f"{_HUB}qwen3_moe.qwen3_moe_layernorm",
-            "Qwen3MoeLayerNorm",
-            output="input",
-            init_args=("head_dim", "epsilon"),
-            variants=_HEAD,
-        ),
-    ),
+    "qwen3": (_per_head("qwen3", "qwen3_layernorm", "Qwen3LayerNorm"),),
+    "qwen3_moe": (_per_head("qwen3_moe", "qwen3_moe_layernorm", "Qwen3MoeLayerNorm"),),
     "qwen3_5": (
-        Norm(
-            f"{_HUB}qwen3_5.qwen3_5_layers",
-            "Qwen3_5LayerNorm",
-            output="input",
-            init_args=("head_dim", "epsilon"),
-            variants=_HEAD,
-            init=0.0,
-            offset=1.0,
-        ),
+        _per_head("qwen3_5", "qwen3_5_layers", "Qwen3_5LayerNorm", init=0.0, offset=1.0),
         # "Gated" by its caller (``norm(x) * silu(z)``): the class itself is a plain norm.
-        Norm(
-            f"{_HUB}qwen3_5.qwen3_5_layers",
-            "Qwen3_5RMSNormGated",
-            output="input",
-            init_args=("head_dim", "epsilon"),
-            variants=_HEAD,
-        ),
+        _per_head("qwen3_5", "qwen3_5_layers", "Qwen3_5RMSNormGated"),
     ),
     "gpt_oss": (_plain("gpt_oss", "gpt_oss_layer_norm", "GptOssLayerNormalization"),),
     "roformer_v2": (_plain("roformer_v2", "roformer_v2_attention", "RoformerNorm"),),
