@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ from ._patch import (
     all_float32,
     apply,
     check_implementation,
+    import_library,
     is_static_number,
     probe_x,
     real_floating,
@@ -92,12 +92,7 @@ def _probe(cls: type) -> Callable[[Callable], list[Case]]:
 
 
 def _class() -> type:
-    try:
-        module = importlib.import_module("equinox.nn")
-    except ModuleNotFoundError as err:
-        if err.name is not None and err.name.split(".")[0] == "equinox":
-            raise ImportError(_NOT_INSTALLED) from err
-        raise
+    module = import_library("equinox.nn", _NOT_INSTALLED)
     cls = getattr(module, "RMSNorm", None)
     if not isinstance(cls, type):
         raise RuntimeError(

@@ -33,6 +33,7 @@ from ._patch import (
     apply,
     check_implementation,
     chosen,
+    import_library,
     linen_cases,
     linen_method,
     norm_class,
@@ -138,15 +139,14 @@ def _probe(cls: type, variants: dict[str, dict]) -> Callable[[Callable], list[Ca
 
 def _classes() -> dict[str, type]:
     """``{module name: its RMSNorm class}`` for the modules this gemma has."""
-    try:
-        importlib.import_module("gemma.gm.nn")
-    except ModuleNotFoundError as err:
-        if err.name is not None and err.name.split(".")[0] == "gemma":
-            raise ImportError(_NOT_INSTALLED) from err
-        raise ImportError(
-            f"gemma is installed but gemma.gm.nn failed to import ({err}): install gemma "
-            "with its dependencies (sentencepiece==0.2.1 where protobuf is older than 7)."
-        ) from err
+    import_library(
+        "gemma.gm.nn",
+        _NOT_INSTALLED,
+        lambda err: (
+            f"gemma is installed but gemma.gm.nn failed to import ({err}): install "
+            "gemma with its dependencies (sentencepiece==0.2.1 where protobuf is older than 7)."
+        ),
+    )
     classes = {}
     for name in _CLASSES:
         try:

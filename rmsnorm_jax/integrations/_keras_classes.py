@@ -11,7 +11,7 @@ import sys
 import warnings
 from typing import Any
 
-from ._patch import PROBE_FEATURES
+from ._patch import PROBE_FEATURES, import_library
 
 # The versions whose source this patch was written from and is tested with (CI pins
 # keras 3.15.1 and keras-hub 0.32.0), by minor release.
@@ -147,16 +147,15 @@ def _minor(version: str) -> str:
 def _import_keras():
     """``import keras``; an ImportError that names the fix where it or its backend's
     library is missing."""
-    try:
-        return importlib.import_module("keras")
-    except ModuleNotFoundError as err:
-        if err.name is not None and err.name.split(".")[0] == "keras":
-            raise ImportError(_NOT_INSTALLED) from err
-        raise ImportError(
-            f"keras failed to import ({err}): its backend needs {err.name}. patch_keras() "
-            "needs Keras's JAX backend: set KERAS_BACKEND=jax before the first import of "
-            "keras."
-        ) from err
+    return import_library(
+        "keras",
+        _NOT_INSTALLED,
+        lambda err: (
+            f"keras failed to import ({err}): its backend needs {err.name}. "
+            "patch_keras() needs Keras's JAX backend: set KERAS_BACKEND=jax before the first "
+            "import of keras."
+        ),
+    )
 
 
 def libraries(allow_unknown_versions: bool) -> tuple[Any, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,22 @@ def chosen(function: str, available: dict[str, type], families: Any) -> dict[str
             f"{', '.join(map(repr, available))}, or leave families=None for all."
         )
     return {name: available[name] for name in dict.fromkeys(names)}
+
+
+def import_library(
+    module: str, not_installed: str, broken: Callable[[ModuleNotFoundError], str] | None = None
+) -> Any:
+    """``importlib.import_module(module)``. Where a module of its own package is missing,
+    an ImportError saying ``not_installed``; where another one is (a dependency), an
+    ImportError saying ``broken(err)``, or that error itself without ``broken``."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is not None and err.name.split(".")[0] == module.split(".")[0]:
+            raise ImportError(not_installed) from err
+        if broken is None:
+            raise
+        raise ImportError(broken(err)) from err
 
 
 def norm_class(module, patcher: str, known: str) -> type:

@@ -37,6 +37,7 @@ from ._patch import (
     apply,
     check_implementation,
     chosen,
+    import_library,
     is_static_number,
     nnx_cases,
     norm_class,
@@ -167,12 +168,7 @@ def _model_module(family: str):
 
 def _classes() -> dict[str, type]:
     """The norm class of every family this tunix has: ``{family: class}``."""
-    try:
-        models = importlib.import_module("tunix.models")
-    except ModuleNotFoundError as err:
-        if err.name is not None and err.name.split(".")[0] == "tunix":
-            raise ImportError(_NOT_INSTALLED) from err
-        raise
+    models = import_library("tunix.models", _NOT_INSTALLED)
     classes = {}
     for family in _FAMILIES:
         module = _model_module(family)
