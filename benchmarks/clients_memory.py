@@ -347,6 +347,10 @@ def main() -> None:
     for flag, kw in OPTIONS:
         parser.add_argument(flag, **kw)
     args = parser.parse_args()
+    if args.direct and args.library != "keras":
+        parser.error(
+            f"--direct is issue 45's swap of KerasHub's norms: keras only, not {args.library}"
+        )
     global VOCAB, MLP
     VOCAB, MLP = args.vocab, args.mlp
     build, patch, configs = LIBRARIES[args.library]
