@@ -242,10 +242,6 @@ def _difference(case: Case, ours: Case) -> str | None:
 # ---------------------------------------------------------------- installing ``call``
 
 
-def _target(cls: type) -> str:
-    return _patch.target_name(cls, "call")
-
-
 def _named(make: Callable, norm: Norm) -> Callable:
     """``make``'s replacement, named as the ``call`` it replaces (tracebacks, ``repr``)."""
 
