@@ -36,6 +36,12 @@ from helpers import grad_rel, rel, rel_l2  # noqa: E402
 from rmsnorm_jax import integrations  # noqa: E402
 from rmsnorm_jax.integrations import _keras, _keras_classes  # noqa: E402
 
+
+def call_of(cls: type) -> str:
+    """The name a ``Patch`` gives the ``call`` of ``cls`` it replaces."""
+    return f"{cls.__module__}.{cls.__qualname__}.call"
+
+
 pytestmark = pytest.mark.clients
 
 F32 = jnp.float32
@@ -164,7 +170,7 @@ def test_float32_outputs_and_gradients_are_keras(family, client_record):
     assert instances, family
     assert patch.calls == len(instances), repr(patch)
     reached = {t for t, n in patch.calls_by_target.items() if n}
-    assert reached == {_keras._target(type(n)) for n in instances}
+    assert reached == {call_of(type(n)) for n in instances}
     assert rel(loss1, loss0) <= F32_RTOL
     outputs = list(zip(jax.tree.leaves(out1), jax.tree.leaves(out0), strict=True))
     assert all(o1.dtype == o0.dtype for o1, o0 in outputs)
@@ -376,7 +382,7 @@ def test_half_precision_as_near_float32_as_keras(family, policy, client_record):
 def test_patch_keras_targets_families_and_undo():
     own = own_calls()
     with integrations.patch_keras() as patch:
-        assert patch.targets == tuple(_keras._target(cls) for cls in norm_classes())
+        assert patch.targets == tuple(call_of(cls) for cls in norm_classes())
         assert len(patch.targets) == 18
         assert "reached nothing" in repr(patch)
         integrations.patch_keras()  # again: replaces, never wraps
@@ -537,6 +543,6 @@ def test_without_keras_hub_keras_core_alone(monkeypatch):
     """KerasHub is optional: without it, ``keras.layers.RMSNormalization`` alone."""
     monkeypatch.setitem(sys.modules, "keras_hub", None)
     with integrations.patch_keras() as patch:
-        assert patch.targets == (_keras._target(keras.layers.RMSNormalization),)
+        assert patch.targets == (call_of(keras.layers.RMSNormalization),)
     with pytest.raises(ValueError, match=r"names 'gemma', which this installation does not"):
         integrations.patch_keras(families="gemma")
