@@ -35,6 +35,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .._rms_norm import rms_norm
 from . import _patch
@@ -108,11 +109,43 @@ def _hub_call(norm: Norm, original: Callable, implementation: str, hit: Callable
             return original(self, x)
         hit()
         dtype = x.dtype if norm.output == "input" else self.compute_dtype
-        return rms_norm(
+        y = rms_norm(
             x, scale, eps, scale_offset=norm.offset, dtype=dtype, implementation=implementation
         )
+        return _own_gradient_sum(y) if _per_head_half(y) else y
 
     return call
+
+
+# The widest rows of one attention head (a QK-norm's): Gemma 3's head of 256.
+HEAD_FEATURES = 256
+
+
+def _per_head_half(y: jax.Array) -> bool:
+    """Whether ``y`` is a QK-norm's 16-bit output (rows of at most ``HEAD_FEATURES``)."""
+    return jnp.finfo(y.dtype).bits <= 16 and y.shape[-1] <= HEAD_FEATURES
+
+
+@jax.custom_jvp
+def _own_gradient_sum(y: jax.Array) -> jax.Array:
+    """``y``; its tangent, so its cotangent ``dy``, passes a barrier on GPUs.
+
+    A KerasHub model is its layers unrolled. Under a QK-norm, ``dy`` is the RoPE
+    backward's output, fused by XLA:GPU into the scale gradient's first-stage sum; the
+    RoPE tables are every layer's, and XLA:GPU merges the layers' sums into one
+    multi-output kernel that keeps each layer's ``dy`` alive until it runs. Writing ``dy``
+    once keeps each sum in its own layer. The core's backward does not do this: under
+    ``scan`` there is one layer, nothing to merge, and the write costs. Measured both
+    ways in ``docs/xla-programs.md``, item 5. A TPU or CPU program is unchanged; no
+    rounding changes anywhere.
+    """
+    return y
+
+
+@_own_gradient_sum.defjvp
+def _own_gradient_sum_jvp(primals, tangents):
+    (y,), (dy,) = primals, tangents
+    return y, lax.platform_dependent(dy, cuda=lax.optimization_barrier, default=lambda t: t)
 
 
 def _trailing(axis: Any, ndim: int) -> tuple[int, ...] | None:
