@@ -376,6 +376,42 @@ def test_half_precision_as_near_float32_as_keras(family, policy, client_record):
     assert err_ours <= 1.1 * err_theirs + 1e-3, (err_ours, err_theirs)
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "bfloat16"])
+def test_a_gpu_backward_writes_each_qk_norms_half_dy(policy):
+    """On a GPU the cotangent of each norm with 16-bit rows of at most 256 features (a
+    QK-norm's; here every norm's: hidden 32) passes one barrier before the norm's backward
+    (``_keras._own_gradient_sum``); a TPU program holds none, nor a float32 model. Forward
+    mode goes through it: the jvp is the gradient's inner product with the tangent."""
+    model = backbone("qwen3", policy)
+    x = inputs("qwen3")
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss(trainable):
+        out, _ = model.stateless_call(trainable, non_trainable, x)
+        return jnp.sum(out.astype(F32))
+
+    def barriers(platform):
+        traced = jax.jit(jax.grad(loss)).trace(trainable)
+        return (
+            traced.lower(lowering_platforms=(platform,))
+            .as_text()
+            .count("stablehlo.optimization_barrier")
+        )
+
+    assert (barriers("cuda"), barriers("tpu")) == (0, 0)  # unpatched
+    with integrations.patch_keras() as patch:
+        half = policy != "float32"
+        assert (barriers("cuda"), barriers("tpu")) == (len(norms(model)) if half else 0, 0)
+        assert patch.calls > 0, repr(patch)
+        tangent = jax.tree.map(lambda a: jnp.full_like(a, 0.5), trainable)
+        _, jvp = jax.jit(lambda p, t: jax.jvp(loss, (p,), (t,)))(trainable, tangent)
+        grads = jax.jit(jax.grad(loss))(trainable)
+    inner = sum(jnp.vdot(g.astype(F32), t.astype(F32)) for g, t in zip(grads, tangent, strict=True))
+    # bfloat16: the forward and the reverse pass each round their own way
+    np.testing.assert_allclose(jvp, inner, rtol=1e-2 if half else 1e-5)
+
+
 # ---------------------------------------------------------------- checks and refusals
 
 
