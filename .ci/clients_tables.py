@@ -71,16 +71,17 @@ TARGETS = {"cpu": "XLA:CPU", "h100": "H100", "tpu-v5e:2x2": "TPU v5e"}
 
 def _config(row: dict) -> tuple:
     """What a row of the memory table is: library, model, dtype (a Keras row's is its dtype
-    policy), remat, and the vocabulary and MLP width where they are not the 32,768 and
-    2,048 of the others."""
+    policy), remat, the vocabulary and MLP width where they are not the 32,768 and 2,048 of
+    the others, and the public preset whose sizes it has (``--preset``)."""
     return (row["library"], row["model"], row["dtype"], row["remat"], row.get("vocab"),
-            row.get("mlp"))  # fmt: skip
+            row.get("mlp"), row.get("preset"))  # fmt: skip
 
 
 def _model(config: tuple) -> str:
     """A row's library and model, with what differs from the others' sizes."""
-    library, model, _, _, vocab, mlp = config
+    library, model, _, _, vocab, mlp, preset = config
     sizes = ([f"vocabulary {vocab:,}"] if vocab else []) + ([f"MLP {mlp:,}"] if mlp else [])
+    sizes += [f"{preset}'s sizes, 1 x 2,048 tokens"] if preset else []
     return f"{library} {model}" + (f" ({', '.join(sizes)})" if sizes else "")
 
 
@@ -107,7 +108,7 @@ def memory(saved: dict) -> str:
         for target in TARGETS:
             r = cell.get((*config, target))
             cells.append(f"{r['ratio']:.3f} ({r['theirs_MiB']:,.0f})" if r else "not measured")
-        _, _, dtype, remat, _, _ = config
+        _, _, dtype, remat, *_ = config
         lines.append(
             f"| {_model(config)} | {dtype} | {remat.lower()} | " + " | ".join(cells) + " |"
         )

@@ -39,6 +39,7 @@ from .report import command, commit, dumps  # noqa: E402
 BATCH, LENGTH, VOCAB = 4, 512, 32768
 MLP = 2048  # keras: the MLP's width (--mlp)
 LAYERS: dict[str, int] = {}  # --layers: a model's layer count, in place of its default
+PRESET = False  # keras --preset: the public presets' sizes (KERAS_PRESETS), 1 x 2048 tokens
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -168,6 +169,8 @@ def _keras(name: str, policy: str, remat: str):
         "qwen3": dict(head_dim=128),
         "mistral": dict(head_dim=128, sliding_window=512),
     }.get(name, {})  # fmt: skip
+    if PRESET:
+        kw = KERAS_PRESETS[name][1] | dict(dtype=policy)
     model = lm(backbone=backbone(**kw), preprocessor=None)
     trainable = [v.value for v in model.trainable_variables]
     frozen = [v.value for v in model.non_trainable_variables]
@@ -177,6 +180,26 @@ def _keras(name: str, policy: str, remat: str):
         return model.stateless_call(params, frozen, x)[0]
 
     return trainable, logits
+
+
+# --preset: the sizes of KerasHub's smallest public preset of three families (each preset's
+# config.json), built from arguments with fresh weights (nothing is downloaded).
+KERAS_PRESETS = {
+    "gemma3": ("gemma3_1b", dict(vocabulary_size=262144, image_size=896, num_layers=26,
+               num_query_heads=4, num_key_value_heads=1, hidden_dim=1152, intermediate_dim=6912,
+               head_dim=256, use_post_ffw_norm=True, use_post_attention_norm=True,
+               use_sliding_window_attention=True, sliding_window_size=512,
+               local_rope_scaling_factor=1.0, global_rope_scaling_factor=1.0)),
+    "llama": ("llama3.2_1b", dict(vocabulary_size=128256, num_layers=16, num_query_heads=32,
+              num_key_value_heads=8, hidden_dim=2048, intermediate_dim=8192,
+              rope_max_wavelength=500000, rope_frequency_adjustment_factor=32.0,
+              rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+              rope_pretraining_sequence_length=8192, layer_norm_epsilon=1e-5,
+              tie_word_embeddings=True)),
+    "qwen3": ("qwen3_0.6b_en", dict(vocabulary_size=151936, num_layers=28, num_query_heads=16,
+              num_key_value_heads=8, hidden_dim=1024, intermediate_dim=3072, head_dim=128,
+              rope_max_wavelength=1000000, layer_norm_epsilon=1e-6)),
+}  # fmt: skip
 
 
 class KerasDirect:
@@ -335,6 +358,7 @@ OPTIONS = [
     ("--vocab", dict(type=int, default=VOCAB, help="the vocabulary (default: 32768)")),
     ("--mlp", dict(type=int, default=MLP, help="keras: the MLP's width (default: 2048)")),
     ("--direct", dict(action="store_true", help="keras: issue 45's direct swap beside ours")),
+    ("--preset", dict(action="store_true", help="keras: public presets' sizes, 1 x 2048 tokens")),
     ("--merge", dict(help="a results file whose other rows --out keeps")),
     ("--live", dict(action="store_true", help="XLA:CPU: the most temporaries live at once")),
     ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
@@ -351,11 +375,16 @@ def main() -> None:
         parser.error(
             f"--direct is issue 45's swap of KerasHub's norms: keras only, not {args.library}"
         )
-    global VOCAB, MLP
+    if args.preset and args.library != "keras":
+        parser.error(f"--preset is KerasHub's presets' sizes: keras only, not {args.library}")
+    global VOCAB, MLP, PRESET, BATCH, LENGTH
     VOCAB, MLP = args.vocab, args.mlp
     build, patch, configs = LIBRARIES[args.library]
     only = args.only.split(",")
     configs = [c for c in configs if not args.only or c[0] in only or f"{c[0]}:{c[2]}" in only]
+    if args.preset:
+        PRESET, (BATCH, LENGTH) = True, (1, 2048)
+        configs = [c for c in configs if c[0] in KERAS_PRESETS]
     provenance = dict(command=command(sys.argv[1:], "python -m benchmarks.clients_memory"))
     provenance |= dict(commit=commit(), python=platform.python_version(), jax=jax.__version__)
     rows = []
@@ -374,8 +403,9 @@ def main() -> None:
             row |= dict(target=target.name, theirs_MiB=round(theirs / 2**20, 1))
             row |= dict(ours_MiB=round(ours / 2**20, 1), ratio=round(ours / theirs, 3))
             row |= {"layers": args.layers} if args.layers else {}
-            row |= {"vocab": VOCAB} if VOCAB != 32768 else {}
-            row |= {"mlp": MLP} if MLP != 2048 else {}
+            row |= {"vocab": VOCAB} if VOCAB != 32768 and not PRESET else {}
+            row |= {"mlp": MLP} if MLP != 2048 and not PRESET else {}
+            row |= {"preset": KERAS_PRESETS[model][0], "batch": [BATCH, LENGTH]} if PRESET else {}
             row |= {"direct_MiB": round(found[2] / 2**20, 1)} if args.direct else {}
             if target.estimate_unit is not None:  # the step's cost model: us or cycles
                 theirs_e, ours_e = (round(e, 1) for e in estimates[:2])
@@ -396,7 +426,7 @@ def main() -> None:
 
 def _key(row: dict) -> tuple:
     """What a row measures: the same key in two runs is the same measurement."""
-    keys = ("library", "model", "dtype", "remat", "target", "layers", "vocab", "mlp")
+    keys = ("library", "model", "dtype", "remat", "target", "layers", "vocab", "mlp", "preset")
     return tuple(row.get(k) for k in keys)
 
 
