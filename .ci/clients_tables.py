@@ -85,6 +85,15 @@ def _model(config: tuple) -> str:
     return f"{library} {model}" + (f" ({', '.join(sizes)})" if sizes else "")
 
 
+def _cell(row: dict | None) -> str:
+    """A memory table's cell: ours over theirs and, in parentheses, theirs in MiB."""
+    if row is None:
+        return "not measured"
+    if row["ratio"] is None:  # the compiler refused the step: more than the chip's memory
+        return "does not fit"
+    return f"{row['ratio']:.3f} ({row['theirs_MiB']:,.0f})"
+
+
 def memory(saved: dict) -> str:
     rows = [r for r in saved["rows"] if "layers" not in r]
     configs = list(dict.fromkeys(_config(r) for r in rows))
@@ -107,7 +116,7 @@ def memory(saved: dict) -> str:
         cells = []
         for target in TARGETS:
             r = cell.get((*config, target))
-            cells.append(f"{r['ratio']:.3f} ({r['theirs_MiB']:,.0f})" if r else "not measured")
+            cells.append(_cell(r))
         _, _, dtype, remat, *_ = config
         lines.append(
             f"| {_model(config)} | {dtype} | {remat.lower()} | " + " | ".join(cells) + " |"

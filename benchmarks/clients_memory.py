@@ -315,10 +315,11 @@ ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant"}
 
 def temp_bytes(
     build, patch, config, target, *, more=(), buffers=None, live=None, estimates=None
-) -> tuple[int, ...]:
+) -> tuple[int | str, ...]:
     """(the library's norm, ours, then one per context maker of ``more``): temp bytes of
-    the compiled value_and_grad step; each program's ``activation_buffers`` appended to a
-    list ``buffers``, its ``live_peak()`` to a list ``live`` (XLA:CPU, ``--live``), the
+    the compiled value_and_grad step (the compiler's words where it does not fit); each
+    program's ``activation_buffers`` appended to a list ``buffers``, its ``live_peak()``
+    to a list ``live`` (XLA:CPU, ``--live``), the
     compiler's cost-model estimate of the whole step to a list ``estimates`` (a GPU's
     microseconds, a TPU's cycles; None on XLA:CPU)."""
     mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("devices",))
@@ -335,7 +336,14 @@ def temp_bytes(
 
             params = jax.tree.map(lambda a: aot.struct(a.shape, a.dtype, mesh, P()), params)
             tokens = aot.struct((BATCH, LENGTH), jnp.int32, mesh, P())
-            compiled = target.compile(jax.jit(jax.value_and_grad(loss)), params, tokens)
+            try:
+                compiled = target.compile(jax.jit(jax.value_and_grad(loss)), params, tokens)
+            except jax.errors.JaxRuntimeError as e:  # more than the target's memory
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                result.append(str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0])
+                estimates is None or estimates.append(None)
+                continue
             result.append(int(compiled.memory_analysis().temp_size_in_bytes))
             if buffers is not None:
                 buffers.append(activation_buffers(compiled.as_text()))
@@ -400,14 +408,17 @@ def main() -> None:
             theirs, ours = found[:2]
             name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
             row = dict(library=args.library, model=model, dtype=name, remat=remat)
-            row |= dict(target=target.name, theirs_MiB=round(theirs / 2**20, 1))
-            row |= dict(ours_MiB=round(ours / 2**20, 1), ratio=round(ours / theirs, 3))
+            row |= dict(target=target.name, theirs_MiB=_mib(theirs), ours_MiB=_mib(ours))
+            fits = isinstance(theirs, int) and isinstance(ours, int)
+            row |= dict(ratio=round(ours / theirs, 3) if fits else None)
+            refused = [f for f in (theirs, ours) if isinstance(f, str)]
+            row |= {"does_not_fit": refused[0]} if refused else {}
             row |= {"layers": args.layers} if args.layers else {}
             row |= {"vocab": VOCAB} if VOCAB != 32768 and not PRESET else {}
             row |= {"mlp": MLP} if MLP != 2048 and not PRESET else {}
             row |= {"preset": KERAS_PRESETS[model][0], "batch": [BATCH, LENGTH]} if PRESET else {}
             row |= {"direct_MiB": round(found[2] / 2**20, 1)} if args.direct else {}
-            if target.estimate_unit is not None:  # the step's cost model: us or cycles
+            if target.estimate_unit is not None and fits:  # the step's cost model: us or cycles
                 theirs_e, ours_e = (round(e, 1) for e in estimates[:2])
                 row |= dict(estimate_unit=target.estimate_unit, theirs_estimate=theirs_e)
                 row |= dict(ours_estimate=ours_e)
@@ -422,6 +433,11 @@ def main() -> None:
             rows = [r for r in json.load(f)["rows"] if _key(r) not in measured] + rows
     with open(args.out, "w") as f:
         f.write(dumps({"meta": {"batch": [BATCH, LENGTH], "vocab": VOCAB}, "rows": rows}) + "\n")
+
+
+def _mib(found: int | str) -> float | None:
+    """Bytes in MiB (one decimal); None where the step did not fit."""
+    return round(found / 2**20, 1) if isinstance(found, int) else None
 
 
 def _key(row: dict) -> tuple:
