@@ -427,12 +427,15 @@ def main() -> None:
             row |= {"theirs_live_MiB": mib[0], "ours_live_MiB": mib[1]} if mib else {}
             rows.append(row | provenance)
             print(json.dumps(rows[-1]), f"({time.time() - start:.0f} s)", flush=True)
+    meta = {"batch": [BATCH, LENGTH], "vocab": VOCAB}  # a --preset row has its own batch
     if args.merge:  # the rows of another run, less those this run measured again
         measured = {_key(r) for r in rows}
         with open(args.merge) as f:
-            rows = [r for r in json.load(f)["rows"] if _key(r) not in measured] + rows
+            merged = json.load(f)
+        rows = [r for r in merged["rows"] if _key(r) not in measured] + rows
+        meta = merged.get("meta", meta)  # the file's own, its note kept
     with open(args.out, "w") as f:
-        f.write(dumps({"meta": {"batch": [BATCH, LENGTH], "vocab": VOCAB}, "rows": rows}) + "\n")
+        f.write(dumps({"meta": meta, "rows": rows}) + "\n")
 
 
 def _mib(found: int | str) -> float | None:
