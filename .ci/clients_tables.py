@@ -72,16 +72,18 @@ TARGETS = {"cpu": "XLA:CPU", "h100": "H100", "tpu-v5e:2x2": "TPU v5e"}
 def _config(row: dict) -> tuple:
     """What a row of the memory table is: library, model, dtype (a Keras row's is its dtype
     policy), remat, the vocabulary and MLP width where they are not the 32,768 and 2,048 of
-    the others, and the public preset whose sizes it has (``--preset``)."""
+    the others, and the public preset whose sizes it has with its batch (``--preset``)."""
+    preset = (row["preset"], *row["batch"]) if "preset" in row else None
     return (row["library"], row["model"], row["dtype"], row["remat"], row.get("vocab"),
-            row.get("mlp"), row.get("preset"))  # fmt: skip
+            row.get("mlp"), preset)  # fmt: skip
 
 
 def _model(config: tuple) -> str:
     """A row's library and model, with what differs from the others' sizes."""
     library, model, _, _, vocab, mlp, preset = config
     sizes = ([f"vocabulary {vocab:,}"] if vocab else []) + ([f"MLP {mlp:,}"] if mlp else [])
-    sizes += [f"{preset}'s sizes, 1 x 2,048 tokens"] if preset else []
+    if preset:  # (name, batch, length): the preset's sizes, the row's own batch
+        sizes.append(f"{preset[0]}'s sizes, {preset[1]} x {preset[2]:,} tokens")
     return f"{library} {model}" + (f" ({', '.join(sizes)})" if sizes else "")
 
 

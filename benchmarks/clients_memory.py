@@ -342,7 +342,8 @@ def temp_bytes(
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
                 result.append(str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0])
-                estimates is None or estimates.append(None)
+                if estimates is not None:
+                    estimates.append(None)
                 continue
             result.append(int(compiled.memory_analysis().temp_size_in_bytes))
             if buffers is not None:
