@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .._config import NormConfig
 from .._linear_call import tangents_of
@@ -26,6 +27,8 @@ from .passes import (
     output_tangent,
     row_statistic,
     tangent_parts,
+    unit_axes,
+    without_axes,
 )
 from .per_compiler import residual_sum
 
@@ -45,9 +48,19 @@ class AddConfig:
     residual_type: Any
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def add_rms_norm_core(cfg: NormConfig, acfg: AddConfig, x, residual, scale, bias, mask):
-    """``(rms_norm(h), h)`` with ``h = x + residual`` in ``acfg.residual_dtype``."""
+    """``(rms_norm(h), h)`` with ``h = x + residual`` in ``acfg.residual_dtype``, on
+    inputs without the size-1 axes that nothing reaches (:func:`passes.unit_axes`)."""
+    unit = unit_axes(cfg, x, (scale, bias, mask))
+    if not unit:
+        return _add_rms_norm(cfg, acfg, x, residual, scale, bias, mask)
+    x, residual = (lax.squeeze(a, unit) for a in (x, residual))
+    outs = _add_rms_norm(without_axes(cfg, unit), acfg, x, residual, scale, bias, mask)
+    return tuple(lax.expand_dims(a, unit) for a in outs)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _add_rms_norm(cfg: NormConfig, acfg: AddConfig, x, residual, scale, bias, mask):
     return _add_fwd(cfg, acfg, x, residual, scale, bias, mask)[0]
 
 
@@ -85,7 +98,7 @@ def add_tangent(cfg, acfg, res, tangents):
     return [output_tangent(cfg, dy), dh_out]
 
 
-@functools.partial(add_rms_norm_core.defjvp, symbolic_zeros=True)
+@functools.partial(_add_rms_norm.defjvp, symbolic_zeros=True)
 def _add_jvp(cfg, acfg, primals, tangents):
     outs, res = _add_fwd(cfg, acfg, *primals)
     dy, dh = tangents_of(

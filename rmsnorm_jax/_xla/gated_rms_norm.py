@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 import jax
+from jax import lax
 
 from .._config import NormConfig
 from .._linear_call import tangents_of
@@ -24,6 +25,8 @@ from .passes import (
     output_tangent,
     row_statistic,
     tangent_parts,
+    unit_axes,
+    without_axes,
 )
 
 ACTIVATIONS = ("silu", "sigmoid")
@@ -45,9 +48,19 @@ def _activation(gcfg: GateConfig, gate: jax.Array) -> tuple[jax.Array, jax.Array
     return gate * sig, sig * (1 + gate * (1 - sig))  # silu
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def gated_rms_norm_core(cfg: NormConfig, gcfg: GateConfig, x, gate, scale, bias):
-    """``norm(x) * act(gate)`` (``norm_before_gate``) or ``norm(x * act(gate))``."""
+    """``norm(x) * act(gate)`` (``norm_before_gate``) or ``norm(x * act(gate))``, on
+    inputs without the size-1 axes that nothing reaches (:func:`passes.unit_axes`)."""
+    unit = unit_axes(cfg, x, (scale, bias))
+    if not unit:
+        return _gated_rms_norm(cfg, gcfg, x, gate, scale, bias)
+    x, gate = (lax.squeeze(a, unit) for a in (x, gate))
+    y = _gated_rms_norm(without_axes(cfg, unit), gcfg, x, gate, scale, bias)
+    return lax.expand_dims(y, unit)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _gated_rms_norm(cfg: NormConfig, gcfg: GateConfig, x, gate, scale, bias):
     return _gated_fwd(cfg, gcfg, x, gate, scale, bias)[0]
 
 
@@ -108,7 +121,7 @@ def _gated_tangent(cfg, gcfg, res, tangents):
     return [output_tangent(cfg, dy)]
 
 
-@functools.partial(gated_rms_norm_core.defjvp, symbolic_zeros=True)
+@functools.partial(_gated_rms_norm.defjvp, symbolic_zeros=True)
 def _gated_jvp(cfg, gcfg, primals, tangents):
     y, res = _gated_fwd(cfg, gcfg, *primals)
     (dy,) = tangents_of(

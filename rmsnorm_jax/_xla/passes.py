@@ -14,6 +14,8 @@ defined). How a pass is expressed for one compiler is ``per_compiler.py``'s.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -25,6 +27,31 @@ from .per_compiler import cpu_barrier, on_backend, tpu_column_sum, two_stage_col
 
 STAT_NAME = "rms_norm_stat"
 OUT_NAME = "rms_norm_out"
+
+
+def unit_axes(cfg: NormConfig, x, params) -> tuple[int, ...]:
+    """The size-1 axes of ``x`` that a core drops before it normalizes (a batch of one).
+
+    Those that are not normalized, that no parameter reaches (``params``: ``scale``,
+    ``bias``, ``mask`` or the like, each broadcast from the right) and that carry no
+    explicit sharding: without them no value and no parameter's shape changes. With
+    them XLA:TPU can hold the backward's ``dy`` in two shapes, and then recomputes its
+    producer in a pass of its own instead of folding ``dx`` into the next matmuls
+    (``docs/xla-programs.md``).
+    """
+    reach = max((p.ndim for p in params if p is not None), default=0)
+    spec = explicit_spec(jax.typeof(x)) or (None,) * x.ndim
+    return tuple(
+        i
+        for i in range(x.ndim - reach)
+        if isinstance(x.shape[i], int) and x.shape[i] == 1
+        if i not in cfg.axes and spec[i] is None
+    )
+
+
+def without_axes(cfg: NormConfig, dropped: tuple[int, ...]) -> NormConfig:
+    """``cfg`` for ``x`` with the axes ``dropped`` (none of them normalized) squeezed out."""
+    return dataclasses.replace(cfg, axes=tuple(a - sum(d < a for d in dropped) for a in cfg.axes))
 
 
 def _partial_mask(cfg: NormConfig, shape: tuple[int, ...]) -> jax.Array:

@@ -10,11 +10,21 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax import lax
 
 from .._config import NormConfig
 from .._linear_call import tangents_of
 from .._types import match_vma, vma
-from .passes import backward_parts, normalized, output, output_tangent, row_statistic, tangent_parts
+from .passes import (
+    backward_parts,
+    normalized,
+    output,
+    output_tangent,
+    row_statistic,
+    tangent_parts,
+    unit_axes,
+    without_axes,
+)
 
 
 def _forward(cfg: NormConfig, x, scale, bias, mask):
@@ -34,13 +44,22 @@ def _tangent(cfg: NormConfig, residuals, dparams):
     return [output_tangent(cfg, tangent_parts(cfg, *residuals, *dparams))]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def rms_norm_core(cfg: NormConfig, x, scale, bias, mask):
-    """RMSNorm of validated arrays (``mask`` is not differentiated)."""
+    """RMSNorm of validated arrays (``mask`` is not differentiated), on ``x`` without
+    the size-1 axes that nothing reaches (:func:`passes.unit_axes`)."""
+    unit = unit_axes(cfg, x, (scale, bias, mask))
+    if not unit:
+        return _rms_norm(cfg, x, scale, bias, mask)
+    y = _rms_norm(without_axes(cfg, unit), lax.squeeze(x, unit), scale, bias, mask)
+    return lax.expand_dims(y, unit)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _rms_norm(cfg: NormConfig, x, scale, bias, mask):
     return _forward(cfg, x, scale, bias, mask)[0]
 
 
-@functools.partial(rms_norm_core.defjvp, symbolic_zeros=True)
+@functools.partial(_rms_norm.defjvp, symbolic_zeros=True)
 def _jvp(cfg: NormConfig, primals, tangents):
     x, scale, bias, mask = primals
     y, row_stat = _forward(cfg, x, scale, bias, mask)

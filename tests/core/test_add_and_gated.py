@@ -51,6 +51,7 @@ ADD_CASES = [
     dict(),
     dict(p=0.25, eps_placement="outside"),
     dict(axis=(1, 2), scale_offset=1.0),
+    dict(shape=(1, 5, 16)),  # a batch of one
 ]
 
 
@@ -66,7 +67,8 @@ ADD_CASES = [
 )
 def test_add_against_float64_oracle(kw, x_dtype, r_dtype, residual_dtype):
     ks = jax.random.split(jax.random.key(0), 6)
-    shape = (3, 5, 16)
+    kw = dict(kw)
+    shape = kw.pop("shape", (3, 5, 16))
     param_shape = (5, 16) if kw.get("axis") == (1, 2) else (16,)
     x, res = _normal(ks[0], shape, x_dtype, 2.0, 0.3), _normal(ks[1], shape, r_dtype, 1.5)
     scale, bias = (
@@ -118,6 +120,8 @@ GATED_CASES = [
     dict(group_size=4),
     dict(group_size=8, norm_before_gate=False),
     dict(p=0.5, scale_offset=1.0),
+    dict(shape=(1, 7, 16)),  # a batch of one
+    dict(shape=(1, 1, 16), norm_before_gate=False, group_size=8),
 ]
 
 
@@ -126,7 +130,8 @@ GATED_CASES = [
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gated_against_float64_oracle(kw, use_bias, dtype):
     ks = jax.random.split(jax.random.key(2), 5)
-    shape = (3, 7, 16)
+    kw = dict(kw)
+    shape = kw.pop("shape", (3, 7, 16))
     x, z = _normal(ks[0], shape, dtype, 2.0, 0.3), _normal(ks[1], shape, dtype, 2.0)
     scale = _normal(ks[2], (16,), jnp.float32, 0.3, 1.0)
     bias = _normal(ks[3], (16,), jnp.float32, 0.1) if use_bias else None

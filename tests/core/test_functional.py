@@ -105,6 +105,12 @@ CASES = [
     ((3, 7), -1, None, None),
     ((2, 3, 8), -1, (3, 8), (2, 3, 8)),  # scale with a batch axis too
     ((5,), 0, (), ()),  # scalar scale and bias
+    # size-1 axes: the core drops those no parameter reaches (a batch of one), keeps others
+    ((1, 5, 16), -1, (16,), (16,)),
+    ((1, 4, 1, 8), -1, (8,), None),
+    ((1, 6, 8), 1, (6, 1), None),
+    ((3, 1, 8), -1, (1, 8), None),  # reached by the scale: kept
+    ((1, 1, 8), (1, 2), (1, 8), (8,)),  # a normalized size-1 axis: kept
 ]
 
 

@@ -41,6 +41,8 @@ CASES = [
     ((4, 6, 16), (16,), -1),  # the same features masked in every row
     ((4, 6, 16), (4, 6, 16), (1, 2)),
     ((5, 8), (5, 8), -1),
+    ((1, 6, 16), (6, 16), -1),  # a batch of one the mask does not reach
+    ((1, 6, 16), (1, 6, 16), -1),
 ]
 
 
