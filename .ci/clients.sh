@@ -8,7 +8,8 @@
 #     tests/integrations/test_clients_gemma.py;
 #   - keras 3.15.1 and keras-hub 0.32.0 on Keras's JAX backend, the machine's python3:
 #     tests/integrations/test_clients_keras.py (keras-hub with --no-deps: it requires
-#     tensorflow-text, which KerasHub's models on JAX do not import).
+#     tensorflow-text, which KerasHub's models on JAX do not import); with jax's `tpu`
+#     extra (libtpu) for the deviceless TPU compile of a Qwen3 attention's gradient.
 # The tests are the ones marked `clients` (pyproject.toml's markers).
 # The three environments install side by side, then the three test runs go side by side
 # (each is mostly one compiling thread); the job prints its duration. The environments live in
@@ -33,7 +34,7 @@ TUNIX=("google-tunix==0.1.7" "equinox==0.13.8" "jax==0.10.2" "jaxlib==0.10.2"
 # the protobuf 6 that tensorflow brings in ("incompatible Protobuf Gencode/Runtime").
 GEMMA=("gemma==4.0.1" "sentencepiece==0.2.1" "jax==0.12.0.1" "jaxlib==0.12.0.1"
   "flax==0.12.12" "kauldron==1.4.4" "protobuf==6.33.6")
-KERAS=("keras==3.15.1" "tokenizers==0.23.3" "regex==2026.11.19" "jax==0.10.2" "jaxlib==0.10.2"
+KERAS=("keras==3.15.1" "tokenizers==0.23.3" "regex==2026.11.19" "jax[tpu]==0.10.2" "jaxlib==0.10.2"
   "flax==0.12.8" "optax==0.2.8")
 KERAS_HUB="keras-hub==0.32.0"  # installed --no-deps after them
 
