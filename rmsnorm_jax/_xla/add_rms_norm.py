@@ -15,7 +15,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .._config import NormConfig
 from .._linear_call import tangents_of
@@ -27,8 +26,7 @@ from .passes import (
     output_tangent,
     row_statistic,
     tangent_parts,
-    unit_axes,
-    without_axes,
+    without_unit_axes,
 )
 from .per_compiler import residual_sum
 
@@ -50,13 +48,9 @@ class AddConfig:
 
 def add_rms_norm_core(cfg: NormConfig, acfg: AddConfig, x, residual, scale, bias, mask):
     """``(rms_norm(h), h)`` with ``h = x + residual`` in ``acfg.residual_dtype``, on
-    inputs without the size-1 axes that nothing reaches (:func:`passes.unit_axes`)."""
-    unit = unit_axes(cfg, x, (scale, bias, mask))
-    if not unit:
-        return _add_rms_norm(cfg, acfg, x, residual, scale, bias, mask)
-    x, residual = (lax.squeeze(a, unit) for a in (x, residual))
-    outs = _add_rms_norm(without_axes(cfg, unit), acfg, x, residual, scale, bias, mask)
-    return tuple(lax.expand_dims(a, unit) for a in outs)
+    inputs without the size-1 axes that nothing reaches (:func:`passes.without_unit_axes`)."""
+    norm = lambda cfg, rows: _add_rms_norm(cfg, acfg, *rows, scale, bias, mask)
+    return without_unit_axes(norm, cfg, (x, residual), (scale, bias, mask))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))

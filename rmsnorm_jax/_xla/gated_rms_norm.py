@@ -12,7 +12,6 @@ import dataclasses
 import functools
 
 import jax
-from jax import lax
 
 from .._config import NormConfig
 from .._linear_call import tangents_of
@@ -25,8 +24,7 @@ from .passes import (
     output_tangent,
     row_statistic,
     tangent_parts,
-    unit_axes,
-    without_axes,
+    without_unit_axes,
 )
 
 ACTIVATIONS = ("silu", "sigmoid")
@@ -50,13 +48,9 @@ def _activation(gcfg: GateConfig, gate: jax.Array) -> tuple[jax.Array, jax.Array
 
 def gated_rms_norm_core(cfg: NormConfig, gcfg: GateConfig, x, gate, scale, bias):
     """``norm(x) * act(gate)`` (``norm_before_gate``) or ``norm(x * act(gate))``, on
-    inputs without the size-1 axes that nothing reaches (:func:`passes.unit_axes`)."""
-    unit = unit_axes(cfg, x, (scale, bias))
-    if not unit:
-        return _gated_rms_norm(cfg, gcfg, x, gate, scale, bias)
-    x, gate = (lax.squeeze(a, unit) for a in (x, gate))
-    y = _gated_rms_norm(without_axes(cfg, unit), gcfg, x, gate, scale, bias)
-    return lax.expand_dims(y, unit)
+    inputs without the size-1 axes that nothing reaches (:func:`passes.without_unit_axes`)."""
+    norm = lambda cfg, rows: _gated_rms_norm(cfg, gcfg, *rows, scale, bias)
+    return without_unit_axes(norm, cfg, (x, gate), (scale, bias))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))

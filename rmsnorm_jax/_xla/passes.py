@@ -29,16 +29,9 @@ STAT_NAME = "rms_norm_stat"
 OUT_NAME = "rms_norm_out"
 
 
-def unit_axes(cfg: NormConfig, x, params) -> tuple[int, ...]:
-    """The size-1 axes of ``x`` that a core drops before it normalizes (a batch of one).
-
-    Those that are not normalized, that no parameter reaches (``params``: ``scale``,
-    ``bias``, ``mask`` or the like, each broadcast from the right) and that carry no
-    explicit sharding: without them no value and no parameter's shape changes. With
-    them XLA:TPU can hold the backward's ``dy`` in two shapes, and then recomputes its
-    producer in a pass of its own instead of folding ``dx`` into the next matmuls
-    (``docs/xla-programs.md``).
-    """
+def _unit_axes(cfg: NormConfig, x, params) -> tuple[int, ...]:
+    """The size-1 axes of ``x`` that are not normalized, that no parameter reaches
+    (``params``, each broadcast from the right) and that carry no explicit sharding."""
     reach = max((p.ndim for p in params if p is not None), default=0)
     spec = explicit_spec(jax.typeof(x)) or (None,) * x.ndim
     return tuple(
@@ -49,9 +42,24 @@ def unit_axes(cfg: NormConfig, x, params) -> tuple[int, ...]:
     )
 
 
-def without_axes(cfg: NormConfig, dropped: tuple[int, ...]) -> NormConfig:
-    """``cfg`` for ``x`` with the axes ``dropped`` (none of them normalized) squeezed out."""
-    return dataclasses.replace(cfg, axes=tuple(a - sum(d < a for d in dropped) for a in cfg.axes))
+def without_unit_axes(norm, cfg: NormConfig, rows: tuple, params: tuple):
+    """``norm(cfg, rows)`` on the arrays ``rows`` (``x`` first, the others of its shape)
+    without the size-1 axes of ``x`` that nothing reaches (a batch of one), and its output
+    (an array or a tuple of them, each of ``x``'s shape) with those axes restored.
+
+    Those axes are the ones not normalized, reached by no parameter in ``params``
+    (``scale``, ``bias``, ``mask``, each broadcast from the right) and carrying no explicit
+    sharding: without them no value and no parameter's shape changes. With them XLA:TPU
+    can hold the backward's ``dy`` in two shapes, and then recomputes its producer in a
+    pass of its own instead of folding ``dx`` into the next matmuls
+    (``docs/xla-programs.md``, item 6).
+    """
+    unit = _unit_axes(cfg, rows[0], params)
+    if not unit:
+        return norm(cfg, rows)
+    axes = tuple(a - sum(u < a for u in unit) for a in cfg.axes)
+    outs = norm(dataclasses.replace(cfg, axes=axes), tuple(lax.squeeze(a, unit) for a in rows))
+    return jax.tree.map(lambda a: lax.expand_dims(a, unit), outs)
 
 
 def _partial_mask(cfg: NormConfig, shape: tuple[int, ...]) -> jax.Array:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax import lax
 
 from .._config import NormConfig
 from .._linear_call import tangents_of
@@ -22,8 +21,7 @@ from .passes import (
     output_tangent,
     row_statistic,
     tangent_parts,
-    unit_axes,
-    without_axes,
+    without_unit_axes,
 )
 
 
@@ -46,12 +44,9 @@ def _tangent(cfg: NormConfig, residuals, dparams):
 
 def rms_norm_core(cfg: NormConfig, x, scale, bias, mask):
     """RMSNorm of validated arrays (``mask`` is not differentiated), on ``x`` without
-    the size-1 axes that nothing reaches (:func:`passes.unit_axes`)."""
-    unit = unit_axes(cfg, x, (scale, bias, mask))
-    if not unit:
-        return _rms_norm(cfg, x, scale, bias, mask)
-    y = _rms_norm(without_axes(cfg, unit), lax.squeeze(x, unit), scale, bias, mask)
-    return lax.expand_dims(y, unit)
+    the size-1 axes that nothing reaches (:func:`passes.without_unit_axes`)."""
+    norm = lambda cfg, rows: _rms_norm(cfg, *rows, scale, bias, mask)
+    return without_unit_axes(norm, cfg, (x,), (scale, bias, mask))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

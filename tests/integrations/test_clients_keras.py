@@ -417,8 +417,9 @@ def test_a_tpu_qwen3_attention_gradient_is_estimated_no_slower_than_keras(batch)
     """XLA:TPU's estimate of the gradient of one KerasHub ``Qwen3Attention`` at Qwen3
     0.6B's sizes (hidden 1,024, 16 query heads of 128, 8 key-value heads, bfloat16, 512
     tokens) with the patch is at most Keras's own. A batch of one is the case that was
-    not: before the cores dropped its axis (``passes.unit_axes``), XLA:TPU recomputed the
-    query's RoPE backward in a ``dx`` pass of its own, 4.4 % over Keras's estimate."""
+    not: before the cores dropped its axis (``passes.without_unit_axes``), XLA:TPU
+    recomputed the query's RoPE backward in a ``dx`` pass of its own, 4.4 % over Keras's
+    estimate."""
     from jax.sharding import PartitionSpec as P
 
     from rmsnorm_jax import aot
