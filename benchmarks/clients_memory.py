@@ -40,6 +40,7 @@ BATCH, LENGTH, VOCAB = 4, 512, 32768
 MLP = 2048  # keras: the MLP's width (--mlp)
 LAYERS: dict[str, int] = {}  # --layers: a model's layer count, in place of its default
 PRESET = False  # keras --preset: the public presets' sizes (KERAS_PRESETS), 1 x 2048 tokens
+SPARE = 0.0  # --spare: GiB of an argument the step keeps but never reads
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -314,14 +315,16 @@ ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant"}
 
 
 def temp_bytes(
-    build, patch, config, target, *, more=(), buffers=None, live=None, estimates=None
+    build, patch, config, target, *, more=(), buffers=None, live=None, estimates=None, peaks=None
 ) -> tuple[int | str, ...]:
     """(the library's norm, ours, then one per context maker of ``more``): temp bytes of
     the compiled value_and_grad step (the compiler's words where it does not fit); each
     program's ``activation_buffers`` appended to a list ``buffers``, its ``live_peak()``
     to a list ``live`` (XLA:CPU, ``--live``), the
     compiler's cost-model estimate of the whole step to a list ``estimates`` (a GPU's
-    microseconds, a TPU's cycles; None on XLA:CPU)."""
+    microseconds, a TPU's cycles; None on XLA:CPU), its ``peak_memory_in_bytes`` to a list
+    ``peaks`` (``--peak``). With ``SPARE`` the step also takes an argument of that many GiB
+    that it never reads (``--spare``): the room each program leaves on the chip."""
     mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("devices",))
     result = []
     for maker in (None, patch, *more):
@@ -336,16 +339,22 @@ def temp_bytes(
 
             params = jax.tree.map(lambda a: aot.struct(a.shape, a.dtype, mesh, P()), params)
             tokens = aot.struct((BATCH, LENGTH), jnp.int32, mesh, P())
+            step, args = jax.jit(jax.value_and_grad(loss)), (params, tokens)
+            if SPARE:  # the same step, holding an argument it never reads
+                step = jax.jit(lambda *a: jax.value_and_grad(loss)(*a[:2]), keep_unused=True)
+                args += (aot.struct((round(SPARE * 2**18), 2**10), F32, mesh, P()),)
             try:
-                compiled = target.compile(jax.jit(jax.value_and_grad(loss)), params, tokens)
+                compiled = target.compile(step, *args)
             except jax.errors.JaxRuntimeError as e:  # more than the target's memory
                 if "RESOURCE_EXHAUSTED" not in str(e):
                     raise
                 result.append(str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0])
-                if estimates is not None:
-                    estimates.append(None)
+                for found in (estimates, peaks):
+                    found is None or found.append(None)
                 continue
             result.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            if peaks is not None:
+                peaks.append(int(compiled.memory_analysis().peak_memory_in_bytes))
             if buffers is not None:
                 buffers.append(activation_buffers(compiled.as_text()))
             if live is not None:
@@ -369,6 +378,8 @@ OPTIONS = [
     ("--direct", dict(action="store_true", help="keras: issue 45's direct swap beside ours")),
     ("--preset", dict(action="store_true", help="keras: public presets' sizes, 1 x 2048 tokens")),
     ("--merge", dict(help="a results file whose other rows --out keeps")),
+    ("--peak", dict(action="store_true", help="each step's peak_memory_in_bytes beside")),
+    ("--spare", dict(type=float, default=0.0, help="GiB of an argument kept, never read")),
     ("--live", dict(action="store_true", help="XLA:CPU: the most temporaries live at once")),
     ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
 ]
@@ -386,8 +397,8 @@ def main() -> None:
         )
     if args.preset and args.library != "keras":
         parser.error(f"--preset is KerasHub's presets' sizes: keras only, not {args.library}")
-    global VOCAB, MLP, PRESET, BATCH, LENGTH
-    VOCAB, MLP = args.vocab, args.mlp
+    global VOCAB, MLP, PRESET, BATCH, LENGTH, SPARE
+    VOCAB, MLP, SPARE = args.vocab, args.mlp, args.spare
     build, patch, configs = LIBRARIES[args.library]
     only = args.only.split(",")
     configs = [c for c in configs if not args.only or c[0] in only or f"{c[0]}:{c[2]}" in only]
@@ -403,9 +414,10 @@ def main() -> None:
             LAYERS.update({model: args.layers} if args.layers else {})
             buffers = [] if args.buffers else None
             live = [] if args.live and target.name == "cpu" else None
-            more, estimates = (KerasDirect,) if args.direct else (), []
+            more, estimates, peaks = (KerasDirect,) if args.direct else (), [], []
             found = temp_bytes(build, patch, (model, dtype, remat), target, more=more,
-                               buffers=buffers, live=live, estimates=estimates)  # fmt: skip
+                               buffers=buffers, live=live, estimates=estimates,
+                               peaks=peaks if args.peak else None)  # fmt: skip
             theirs, ours = found[:2]
             name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
             row = dict(library=args.library, model=model, dtype=name, remat=remat)
@@ -419,6 +431,9 @@ def main() -> None:
             row |= {"mlp": MLP} if MLP != 2048 and not PRESET else {}
             row |= {"preset": KERAS_PRESETS[model][0], "batch": [BATCH, LENGTH]} if PRESET else {}
             row |= {"direct_MiB": round(found[2] / 2**20, 1)} if args.direct else {}
+            row |= {"spare_GiB": SPARE} if SPARE else {}
+            if args.peak:  # arguments, outputs and temporaries: what the chip must hold
+                row |= dict(theirs_peak_MiB=_mib(peaks[0]), ours_peak_MiB=_mib(peaks[1]))
             if target.estimate_unit is not None and fits:  # the step's cost model: us or cycles
                 theirs_e, ours_e = (round(e, 1) for e in estimates[:2])
                 row |= dict(estimate_unit=target.estimate_unit, theirs_estimate=theirs_e)
@@ -447,6 +462,7 @@ def _mib(found: int | str) -> float | None:
 def _key(row: dict) -> tuple:
     """What a row measures: the same key in two runs is the same measurement."""
     keys = ("library", "model", "dtype", "remat", "target", "layers", "vocab", "mlp", "preset")
+    keys += ("spare_GiB",)
     return tuple(row.get(k) for k in keys)
 
 
