@@ -97,7 +97,7 @@ def _cell(row: dict | None) -> str:
 
 
 def memory(saved: dict) -> str:
-    rows = [r for r in saved["rows"] if "layers" not in r]
+    rows = [r for r in saved["rows"] if "layers" not in r and "spare_GiB" not in r]
     configs = list(dict.fromkeys(_config(r) for r in rows))
     cell = {(*_config(r), r["target"]): r for r in rows}
     provenance = sorted(
@@ -156,6 +156,27 @@ def memory(saved: dict) -> str:
                 f"| {_model(_config(r))} | {r['dtype']} | {TARGETS[r['target']]} | "
                 f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['direct_MiB']:,.1f} | "
                 f"{r['ratio']:.3f} |"
+            )
+    peak = [r for r in saved["rows"] if "theirs_peak_MiB" in r]
+    if peak:
+        lines += [
+            "",
+            "Beside the temp size, each step's `peak_memory_in_bytes` (`--peak`: arguments, "
+            "outputs and temporaries the compiler places together), and with `--spare GIB` the "
+            "same step holding an argument of GIB GiB that it never reads: a row that does not "
+            "fit is the compiler's refusal, the room that program leaves short of the chip's.",
+            "",
+            "| library, model | dtype | target | spare GiB | theirs temp MiB | ours temp MiB "
+            "| theirs peak MiB | ours peak MiB | ours peak / theirs peak |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in peak:
+            mib = [r[k] for k in ("theirs_MiB", "ours_MiB", "theirs_peak_MiB", "ours_peak_MiB")]
+            cells = ["does not fit" if m is None else f"{m:,.1f}" for m in mib]
+            ratio = f"{mib[3] / mib[2]:.3f}" if None not in mib[2:] else "-"
+            lines.append(
+                f"| {_model(_config(r))} | {r['dtype']} | {TARGETS[r['target']]} | "
+                f"{r.get('spare_GiB', 0):g} | " + " | ".join(cells) + f" | {ratio} |"
             )
     layered = [r for r in saved["rows"] if "buffers_theirs" in r]
     for library in dict.fromkeys(r["library"] for r in layered):  # a table per library

@@ -31,15 +31,18 @@ OUT_NAME = "rms_norm_out"
 
 def _unit_axes(cfg: NormConfig, x, params) -> tuple[int, ...]:
     """The size-1 axes of ``x`` that are not normalized, that no parameter reaches
-    (``params``, each broadcast from the right) and that carry no explicit sharding."""
+    (``params``, each broadcast from the right) and that carry no explicit sharding; none
+    unless the rows still span two axes or more without them (``[1, T, H, D]``, not
+    ``[1, T, D]``)."""
     reach = max((p.ndim for p in params if p is not None), default=0)
     spec = explicit_spec(jax.typeof(x)) or (None,) * x.ndim
-    return tuple(
+    unit = tuple(
         i
         for i in range(x.ndim - reach)
         if isinstance(x.shape[i], int) and x.shape[i] == 1
         if i not in cfg.axes and spec[i] is None
     )
+    return unit if x.ndim - len(cfg.axes) - len(unit) >= 2 else ()
 
 
 def without_unit_axes(norm, cfg: NormConfig, rows: tuple, params: tuple):
@@ -51,7 +54,9 @@ def without_unit_axes(norm, cfg: NormConfig, rows: tuple, params: tuple):
     (``scale``, ``bias``, ``mask``, each broadcast from the right) and carrying no explicit
     sharding: without them no value and no parameter's shape changes. With them XLA:TPU
     can hold the backward's ``dy`` in two shapes, and then recomputes its producer in a
-    pass of its own instead of folding ``dx`` into the next matmuls
+    pass of its own instead of folding ``dx`` into the next matmuls. They are dropped only
+    where the rows keep two axes or more (a QK-norm's ``[1, T, H, D]``): a hidden norm's
+    ``[1, T, D]`` without its batch axis made whole TPU steps need more temporary memory
     (``docs/xla-programs.md``, item 6).
     """
     unit = _unit_axes(cfg, rows[0], params)
