@@ -350,7 +350,8 @@ def temp_bytes(
                     raise
                 result.append(str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0])
                 for found in (estimates, peaks):
-                    found is None or found.append(None)
+                    if found is not None:
+                        found.append(None)
                 continue
             result.append(int(compiled.memory_analysis().temp_size_in_bytes))
             if peaks is not None:
