@@ -412,6 +412,18 @@ def test_a_gpu_backward_writes_each_qk_norms_half_dy(policy):
     np.testing.assert_allclose(jvp, inner, rtol=1e-2 if half else 1e-5)
 
 
+def _one_tpu_v5e_chip():
+    """The deviceless TPU v5e target and ``struct(shape, dtype)``: an abstract array on
+    one of its chips, replicated (what the two TPU compiles below take)."""
+    from jax.sharding import PartitionSpec as P
+
+    from rmsnorm_jax import aot
+
+    target = aot_target("tpu-v5e")
+    mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("d",))
+    return target, lambda shape, dtype: aot.struct(shape, dtype, mesh, P())
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 def test_a_tpu_qwen3_attention_gradient_is_estimated_no_slower_than_keras(batch):
     """XLA:TPU's estimate of the gradient of one KerasHub ``Qwen3Attention`` at Qwen3
@@ -420,12 +432,9 @@ def test_a_tpu_qwen3_attention_gradient_is_estimated_no_slower_than_keras(batch)
     not: before the cores dropped its axis (``passes.without_unit_axes``), XLA:TPU
     recomputed the query's RoPE backward in a ``dx`` pass of its own, 4.4 % over Keras's
     estimate."""
-    from jax.sharding import PartitionSpec as P
-
     from rmsnorm_jax import aot
 
-    target = aot_target("tpu-v5e")
-    mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("d",))
+    target, struct = _one_tpu_v5e_chip()
     hidden, tokens = 1024, 512
 
     def estimate():
@@ -438,10 +447,9 @@ def test_a_tpu_qwen3_attention_gradient_is_estimated_no_slower_than_keras(batch)
         def loss(trainable, x, ct):
             return jnp.sum((layer.stateless_call(trainable, [], x)[0] * ct).astype(F32))
 
-        struct = lambda a: aot.struct(a.shape, a.dtype, mesh, P())
-        x = aot.struct((batch, tokens, hidden), jnp.bfloat16, mesh, P())
+        x = struct((batch, tokens, hidden), jnp.bfloat16)
         compiled = target.compile(
-            jax.jit(jax.grad(loss, (0, 1))), [struct(a) for a in trainable], x, x
+            jax.jit(jax.grad(loss, (0, 1))), [struct(a.shape, a.dtype) for a in trainable], x, x
         )
         return aot.estimate(compiled, target)
 
@@ -459,12 +467,7 @@ def test_a_tpu_qwen3_step_at_a_batch_of_one_needs_no_more_temp_than_keras():
     of one too (``[1, T, D]``, c92aea3 to 10d6d5d) it needed 3,051.0 MiB against 3,021.0
     (28 layers: 10,797.3 against 10,386.0); they now drop it only where the rows keep two
     axes (``passes.without_unit_axes``)."""
-    from jax.sharding import PartitionSpec as P
-
-    from rmsnorm_jax import aot
-
-    target = aot_target("tpu-v5e")
-    mesh = jax.sharding.Mesh(np.array(target.devices[:1], dtype=object), ("d",))
+    target, struct = _one_tpu_v5e_chip()
     sizes = dict(vocabulary_size=151936, num_layers=4, num_query_heads=16,
                  num_key_value_heads=8, hidden_dim=1024, intermediate_dim=3072, head_dim=128,
                  rope_max_wavelength=1000000, layer_norm_epsilon=1e-6)  # fmt: skip
@@ -479,9 +482,8 @@ def test_a_tpu_qwen3_step_at_a_batch_of_one_needs_no_more_temp_than_keras():
             out = model.stateless_call(params, frozen, x)[0][:, :-1].astype(F32)
             return -jnp.take_along_axis(jax.nn.log_softmax(out), tokens[:, 1:, None], -1).mean()
 
-        params = [v.value for v in model.trainable_variables]
-        params = [aot.struct(a.shape, a.dtype, mesh, P()) for a in params]
-        tokens = aot.struct((1, 2048), jnp.int32, mesh, P())
+        params = [struct(v.value.shape, v.value.dtype) for v in model.trainable_variables]
+        tokens = struct((1, 2048), jnp.int32)
         compiled = target.compile(jax.jit(jax.value_and_grad(loss)), params, tokens)
         return compiled.memory_analysis().temp_size_in_bytes
 
