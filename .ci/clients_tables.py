@@ -127,17 +127,18 @@ def memory(saved: dict) -> str:
     if live:
         lines += [
             "",
-            "XLA:CPU (`--live`): the temp size against the most temporaries live at once "
-            "(from XLA's buffer assignment and the scheduled program); the difference is what "
-            "the heap's placement leaves unused between them.",
+            "`--live`: the temp size against the most temporaries live at once (from the "
+            "buffer assignment and the scheduled program the target's compiler dumps); the "
+            "difference is what the heap's placement leaves unused between them.",
             "",
-            "| library, model | dtype | remat | theirs MiB | ours MiB | theirs live MiB "
+            "| library, model | dtype | remat | target | theirs MiB | ours MiB | theirs live MiB "
             "| ours live MiB | ours live / theirs live |",
-            "|---|---|---|---:|---:|---:|---:|---:|",
+            "|---|---|---|---|---:|---:|---:|---:|---:|",
         ]
         for r in live:
             lines.append(
-                f"| {r['library']} {r['model']} | {r['dtype']} | {r['remat'].lower()} | "
+                f"| {_model(_config(r))} | {r['dtype']} | {r['remat'].lower()} | "
+                f"{TARGETS[r['target']]} | "
                 f"{r['theirs_MiB']:,.1f} | {r['ours_MiB']:,.1f} | {r['theirs_live_MiB']:,.1f} | "
                 f"{r['ours_live_MiB']:,.1f} | {r['ours_live_MiB'] / r['theirs_live_MiB']:.3f} |"
             )

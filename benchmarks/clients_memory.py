@@ -8,11 +8,13 @@ parameters), at the widths of the 270M-1B models with fewer layers (keras: 4 lay
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import json
 import os
 import platform
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -20,9 +22,11 @@ import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")  # read once, at keras's first import
-# --live reads XLA:CPU's buffer assignment of each step, dumped where XLA is told before
-# jax starts.
+# --live reads each step's buffer assignment as the target's compiler dumps it (XLA:CPU,
+# XLA:GPU and libtpu alike), where XLA is told before jax starts.
 DUMP = tempfile.mkdtemp(prefix="clients_memory-") if "--live" in sys.argv else None
+if DUMP:  # each compile dumps its passes' programs: hundreds of MB in a run, gone at its end
+    atexit.register(shutil.rmtree, DUMP, ignore_errors=True)
 DUMP_FLAGS = f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_loss"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + DUMP_FLAGS * bool(DUMP)
 warnings.simplefilter("ignore", DeprecationWarning)
@@ -280,35 +284,39 @@ def activation_buffers(hlo: str) -> collections.Counter:
 
 
 def live_peak() -> int:
-    """The most bytes of XLA:CPU's temporaries live at once in the newest dumped step, from
-    the buffer assignment (each one's size) and the scheduled program (where each is
-    defined and last used): the temp size less this is what the heap leaves unused."""
+    """The most bytes of temporaries live at once in the newest dumped step (any target):
+    at each point of the schedule, the bytes of the temp allocation that the values XLA
+    holds live there cover (each value's offset and size from the buffer assignment, its
+    live range from the compiler's own ``HloLiveRange``). The temp size less this is what
+    the heap's placement leaves unused between them."""
     dumps = [
         os.path.join(DUMP, f) for f in os.listdir(DUMP) if f.endswith("-buffer-assignment.txt")
     ]
     stem = max(dumps, key=os.path.getmtime).removesuffix("-buffer-assignment.txt")
-    sizes, temp = {}, False
+    placed, temp = {}, False  # a temporary value ("name{index}") -> (offset, size)
+    value = re.compile(r"\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)")
     for line in open(f"{stem}-buffer-assignment.txt"):
-        if line.startswith("allocation "):
-            temp = "preallocated-temp" in line
-        elif temp and (match := re.match(r"\s*value: <\d+ (\S+) @(\d+)> \(size=(\d+)", line)):
-            sizes[match.group(1), match.group(2)] = int(match.group(3))
-    entry = _entry(open(f"{stem}.txt").read())
-    order = {m.group(1): i for i, m in enumerate(re.finditer(r"\n\s*(?:ROOT )?%(\S+) = ", entry))}
-    last, value, reading = {}, None, False
-    for line in open(f"{stem}-buffer-assignment-values.txt"):
-        if match := re.match(r"<\d+ (\S+) @(\d+)>", line):
-            value, reading = (match.group(1), match.group(2)), False
-        elif line.startswith((" uses:", " positions:")):
-            reading = True
-        elif line.startswith(" from instruction"):
-            reading = False
-        elif reading and value in sizes:
-            at = order.get(line.strip().split(",")[0])
-            if at is not None:
-                last[value] = max(last.get(value, -1), at)
-    spans = [(order[v[0]], last.get(v, order[v[0]]), n) for v, n in sizes.items() if v[0] in order]
-    return max(sum(n for s, e, n in spans if s <= at <= e) for at, _, _ in spans)
+        if line.startswith("allocation "):  # the default memory's (a TPU's others: color N)
+            temp = "preallocated-temp" in line and "color" not in line
+        elif temp and (found := value.match(line)):
+            name = found.group(1)  # as the live ranges name it: a whole value's index {}
+            name = name if name.endswith("}") else f"{name}{{}}"
+            placed[name] = (int(found.group(3)), int(found.group(2)))
+    spans = []  # (first, last, offset, size): where each temporary is live
+    for line in open(f"{stem}-live-range.txt"):
+        found = re.match(r"\s+(\S+):(\d+)-(\d+)$", line)
+        if found and found.group(1) in placed:
+            spans.append((int(found.group(2)), int(found.group(3)), *placed[found.group(1)]))
+    return max(_covered([(o, o + n) for s, e, o, n in spans if s <= at <= e]) for at, *_ in spans)
+
+
+def _covered(intervals: list[tuple[int, int]]) -> int:
+    """How many bytes the union of the byte ranges [start, end) covers."""
+    total, reached = 0, 0
+    for start, end in sorted(intervals):
+        total += max(0, end - max(start, reached))
+        reached = max(reached, end)
+    return total
 
 
 ALIASES = {"get-tuple-element", "bitcast", "tuple", "parameter", "constant"}
@@ -320,7 +328,7 @@ def temp_bytes(
     """(the library's norm, ours, then one per context maker of ``more``): temp bytes of
     the compiled value_and_grad step (the compiler's words where it does not fit); each
     program's ``activation_buffers`` appended to a list ``buffers``, its ``live_peak()``
-    to a list ``live`` (XLA:CPU, ``--live``), the
+    to a list ``live`` (``--live``), the
     compiler's cost-model estimate of the whole step to a list ``estimates`` (a GPU's
     microseconds, a TPU's cycles; None on XLA:CPU), its ``peak_memory_in_bytes`` to a list
     ``peaks`` (``--peak``). With ``SPARE`` the step also takes an argument of that many GiB
@@ -381,7 +389,7 @@ OPTIONS = [
     ("--merge", dict(help="a results file whose other rows --out keeps")),
     ("--peak", dict(action="store_true", help="each step's peak_memory_in_bytes beside")),
     ("--spare", dict(type=float, default=0.0, help="GiB of an argument kept, never read")),
-    ("--live", dict(action="store_true", help="XLA:CPU: the most temporaries live at once")),
+    ("--live", dict(action="store_true", help="the most temporaries live at once")),
     ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
 ]
 
@@ -414,7 +422,7 @@ def main() -> None:
             start = time.time()
             LAYERS.update({model: args.layers} if args.layers else {})
             buffers = [] if args.buffers else None
-            live = [] if args.live and target.name == "cpu" else None
+            live = [] if args.live else None
             more, estimates, peaks = (KerasDirect,) if args.direct else (), [], []
             found = temp_bytes(build, patch, (model, dtype, remat), target, more=more,
                                buffers=buffers, live=live, estimates=estimates,

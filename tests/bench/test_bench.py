@@ -144,6 +144,45 @@ def test_benchmarks_readme_lists_every_section():
         assert f"python -m benchmarks.{module}" in text
 
 
+LIVE_PEAK = """
+import os, shutil, tempfile
+dump = tempfile.mkdtemp()
+os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump} --xla_dump_hlo_as_text"
+import jax, jax.numpy as jnp
+from benchmarks import clients_memory
+clients_memory.DUMP = dump
+block = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+for loss in (
+    lambda x, y: jnp.sin(x @ y) @ jnp.cos(y @ x),
+    lambda x, y: jnp.sin(jnp.sin(jnp.sin(x @ y) @ y) @ y) @ y,
+):
+    compiled = jax.jit(loss).lower(block, block).compile()
+    print(clients_memory.live_peak(), compiled.memory_analysis().temp_size_in_bytes)
+shutil.rmtree(dump)
+"""
+
+
+def test_live_peak_counts_the_temporaries_live_together_not_all():
+    """``--live``'s count on XLA:CPU, against programs whose temporaries are known: the
+    last product's two operands (two [64, 64] float32 blocks, each sine and cosine written
+    over its product) are live together; in a chain of products, fewer than the three
+    temporaries it writes."""
+    done = subprocess.run(
+        [sys.executable, "-c", LIVE_PEAK],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    block = 64 * 64 * 4
+    (two, two_temp), (chain, chain_temp) = [
+        map(int, line.split()) for line in done.stdout.split("\n")[:2]
+    ]
+    assert two == 2 * block and two <= two_temp
+    assert block <= chain < 3 * block and chain <= chain_temp
+
+
 def test_residual_bytes_are_read_from_shapes():
     """What each backward keeps (``jax.vjp``'s residuals), without computing it: ours x, the
     scale and one float32 per row; flax's RMSNorm float32 copies."""
