@@ -127,9 +127,11 @@ def memory(saved: dict) -> str:
     if live:
         lines += [
             "",
-            "`--live`: the temp size against the most temporaries live at once (from the "
-            "buffer assignment and the scheduled program the target's compiler dumps); the "
-            "difference is what the heap's placement leaves unused between them.",
+            "`--live`: the temp size against the most bytes of temporaries live at once, "
+            "read from what the target's compiler dumps (each temporary's live range, "
+            "`HloLiveRange`, and its place in the temp allocation); the difference is what the "
+            "heap's placement leaves unused between them. On TPU v5e the dumped allocation is "
+            "smaller than `temp_size_in_bytes`, which holds bytes the dump does not show.",
             "",
             "| library, model | dtype | remat | target | theirs MiB | ours MiB | theirs live MiB "
             "| ours live MiB | ours live / theirs live |",
