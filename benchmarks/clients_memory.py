@@ -22,8 +22,8 @@ import warnings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")  # read once, at keras's first import
-# --live reads each step's buffer assignment as the target's compiler dumps it (XLA:CPU,
-# XLA:GPU and libtpu alike), where XLA is told before jax starts.
+# --live reads each step's buffer assignment and live ranges as the target's compiler dumps
+# them (XLA:CPU, XLA:GPU and libtpu alike), where XLA is told before jax starts.
 DUMP = tempfile.mkdtemp(prefix="clients_memory-") if "--live" in sys.argv else None
 if DUMP:  # each compile dumps its passes' programs: hundreds of MB in a run, gone at its end
     atexit.register(shutil.rmtree, DUMP, ignore_errors=True)
