@@ -361,9 +361,10 @@ def temp_bytes(
                     if found is not None:
                         found.append(None)
                 continue
-            result.append(int(compiled.memory_analysis().temp_size_in_bytes))
+            analysis = compiled.memory_analysis()
+            result.append(int(analysis.temp_size_in_bytes))
             if peaks is not None:
-                peaks.append(int(compiled.memory_analysis().peak_memory_in_bytes))
+                peaks.append(int(analysis.peak_memory_in_bytes))
             if buffers is not None:
                 buffers.append(activation_buffers(compiled.as_text()))
             if live is not None:
