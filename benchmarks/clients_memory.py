@@ -284,30 +284,42 @@ def activation_buffers(hlo: str) -> collections.Counter:
 
 
 def live_peak() -> int:
-    """The most bytes of temporaries live at once in the newest dumped step (any target):
-    at each point of the schedule, the bytes of the temp allocation that the values XLA
-    holds live there cover (each value's offset and size from the buffer assignment, its
-    live range from the compiler's own ``HloLiveRange``). The temp size less this is what
-    the heap's placement leaves unused between them."""
+    """The most bytes live at once in the newest dumped step's own buffers (any target):
+    at each point of the schedule, the bytes that the values XLA holds live there cover in
+    the temp allocation and in the outputs' (each value's allocation, offset and size from
+    the buffer assignment, its live range from the compiler's own ``HloLiveRange``). The
+    outputs' count because the buffer assigner lends an output's space to temporaries
+    before the output is written; the arguments, the same in both steps and held by the
+    caller throughout, do not. The temp size and the outputs' less this is what the
+    heap's placement leaves unused."""
     dumps = [
         os.path.join(DUMP, f) for f in os.listdir(DUMP) if f.endswith("-buffer-assignment.txt")
     ]
     stem = max(dumps, key=os.path.getmtime).removesuffix("-buffer-assignment.txt")
-    placed, temp = {}, False  # a temporary value ("name{index}") -> (offset, size)
+    placed, counted = {}, None  # a value ("name{index}") -> (allocation, offset, size)
     value = re.compile(r"\s*value: <\d+ (\S+) @\d+> \(size=(\d+),offset=(\d+)")
     for line in open(f"{stem}-buffer-assignment.txt"):
         if line.startswith("allocation "):  # the default memory's (a TPU's others: color N)
-            temp = "preallocated-temp" in line and "color" not in line
-        elif temp and (found := value.match(line)):
+            own = "preallocated-temp" in line or "maybe-live-out" in line
+            counted = line.split(":")[0] if own and "color" not in line else None
+        elif counted and (found := value.match(line)):
             name = found.group(1)  # as the live ranges name it: a whole value's index {}
             name = name if name.endswith("}") else f"{name}{{}}"
-            placed[name] = (int(found.group(3)), int(found.group(2)))
-    spans = []  # (first, last, offset, size): where each temporary is live
+            placed[name] = (counted, int(found.group(3)), int(found.group(2)))
+    spans = []  # (first, last, allocation, offset, size): where each value is live
     for line in open(f"{stem}-live-range.txt"):
         found = re.match(r"\s+(\S+):(\d+)-(\d+)$", line)
         if found and found.group(1) in placed:
             spans.append((int(found.group(2)), int(found.group(3)), *placed[found.group(1)]))
-    return max(_covered([(o, o + n) for s, e, o, n in spans if s <= at <= e]) for at, *_ in spans)
+
+    def live_at(at: int) -> int:  # per allocation, the union of the live values' bytes
+        ranges = collections.defaultdict(list)
+        for first, last, allocation, offset, size in spans:
+            if first <= at <= last:
+                ranges[allocation].append((offset, offset + size))
+        return sum(map(_covered, ranges.values()))
+
+    return max(live_at(at) for at, *_ in spans)
 
 
 def _covered(intervals: list[tuple[int, int]]) -> int:
@@ -390,7 +402,7 @@ OPTIONS = [
     ("--merge", dict(help="a results file whose other rows --out keeps")),
     ("--peak", dict(action="store_true", help="each step's peak_memory_in_bytes beside")),
     ("--spare", dict(type=float, default=0.0, help="GiB of an argument kept, never read")),
-    ("--live", dict(action="store_true", help="the most temporaries live at once")),
+    ("--live", dict(action="store_true", help="the most bytes live at once, but arguments")),
     ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
 ]
 
