@@ -127,11 +127,14 @@ def memory(saved: dict) -> str:
     if live:
         lines += [
             "",
-            "`--live`: the temp size against the most bytes of temporaries live at once, "
-            "read from what the target's compiler dumps (each temporary's live range, "
-            "`HloLiveRange`, and its place in the temp allocation); the difference is what the "
-            "heap's placement leaves unused between them. On TPU v5e the dumped allocation is "
-            "smaller than `temp_size_in_bytes`, which holds bytes the dump does not show.",
+            "`--live`: beside the temp size, the most bytes live at once in the step's own "
+            "buffers, its temporaries and its outputs (the arguments, the same in both, "
+            "aside), read from what the target's compiler dumps (each value's live range, "
+            "`HloLiveRange`, and its place in the buffer assignment). The outputs count "
+            "because the buffer assigner lends an output's space to temporaries until the "
+            "output is written: two programs with the same bytes live at once can differ in "
+            "temp size by where it put them. On TPU v5e the dumped temp allocation is smaller "
+            "than `temp_size_in_bytes`, which holds bytes the dump does not show.",
             "",
             "| library, model | dtype | remat | target | theirs MiB | ours MiB | theirs live MiB "
             "| ours live MiB | ours live / theirs live |",
