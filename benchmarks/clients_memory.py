@@ -288,10 +288,10 @@ def live_peak() -> int:
     at each point of the schedule, the bytes that the values XLA holds live there cover in
     the temp allocation and in the outputs' (each value's allocation, offset and size from
     the buffer assignment, its live range from the compiler's own ``HloLiveRange``). The
-    outputs' count because the buffer assigner lends an output's space to temporaries
-    before the output is written; the arguments, the same in both steps and held by the
-    caller throughout, do not. The temp size and the outputs' less this is what the
-    heap's placement leaves unused."""
+    outputs' allocations count because the buffer assigner lends an output's space to
+    temporaries until the output is written; the arguments', the same in both steps and
+    held by the caller throughout, do not. The temp and output sizes less this are what
+    the placement leaves unused."""
     dumps = [
         os.path.join(DUMP, f) for f in os.listdir(DUMP) if f.endswith("-buffer-assignment.txt")
     ]
@@ -402,7 +402,7 @@ OPTIONS = [
     ("--merge", dict(help="a results file whose other rows --out keeps")),
     ("--peak", dict(action="store_true", help="each step's peak_memory_in_bytes beside")),
     ("--spare", dict(type=float, default=0.0, help="GiB of an argument kept, never read")),
-    ("--live", dict(action="store_true", help="the most bytes live at once, but arguments")),
+    ("--live", dict(action="store_true", help="the most bytes live at once, arguments aside")),
     ("--buffers", dict(action="store_true", help="activation-shaped buffers each program writes")),
 ]
 
