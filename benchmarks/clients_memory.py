@@ -319,7 +319,7 @@ def live_peak() -> int:
                 ranges[allocation].append((offset, offset + size))
         return sum(map(_covered, ranges.values()))
 
-    return max(live_at(at) for at, *_ in spans)
+    return max(map(live_at, {first for first, *_ in spans}))  # it rises only where one starts
 
 
 def _covered(intervals: list[tuple[int, int]]) -> int:
