@@ -6,7 +6,8 @@
 # wheels/ (benchmarks/device_wheels.sh), installed by the visit itself with pip --no-index
 # --no-deps --target, as there. The same steps in the same order at the smallest sizes: a
 # script error that would lose a visit fails here. Then what came back is checked: the
-# report, its plot, the log, and no folder of this machine in any of them.
+# report, its plot, the log, and no folder of this machine in any of them; the same for the
+# visit's second call (--tune: the Mosaic GPU kernels under each sizing, interpreted here).
 # The environment lives in $RMSNORM_JAX_VISIT_VENV (default: a folder under $TMPDIR, outside
 # the checkout) and is made anew by `install`; `test` runs the dry run (.ci/run installs
 # while its first job tests, and runs this beside the other jobs).
@@ -32,23 +33,31 @@ if [ "$phase" != install ]; then
   out=$(mktemp -d)
   BENCHMARKS_COMMIT=${BENCHMARKS_COMMIT:-$(git rev-parse --short HEAD)} PYTHON="$venv/bin/python" \
     benchmarks/device_visit.sh --dry-run "$out"
+  tuned=$(mktemp -d)
+  BENCHMARKS_COMMIT=${BENCHMARKS_COMMIT:-$(git rev-parse --short HEAD)} PYTHON="$venv/bin/python" \
+    benchmarks/device_visit.sh --dry-run --tune "$tuned"
   for name in log.txt cpu-measured.md cpu-measured.json cpu-measured.png; do
     [ -s "$out/$name" ] || { echo "the dry run wrote no $name"; exit 1; }
   done
-  "$venv/bin/python" - "$out" << 'EOF'
+  "$venv/bin/python" - "$out" "$tuned" << 'EOF'
 import json, pathlib, re, sys
 
-out = pathlib.Path(sys.argv[1])
+out, tuned = map(pathlib.Path, sys.argv[1:])
 sections = json.loads((out / "cpu-measured.json").read_text())["sections"]
 assert set(sections) == {"ops", "step", "gemma"}, set(sections)
 rows = {(r["impl"], r["status"]) for r in sections["ops"]["results"]}
 assert ("tokamax layer_norm [xla]", "ok") in rows, "tokamax's XLA path was not measured"
+sweep = tuned / "kernel-sizes-mosaic_gpu-cpu-256.json"
+for shape, timed in json.loads(sweep.read_text())["rows"].items():
+    failed = {k: v.get("note") for k, v in timed.items() if "median_s" not in v}
+    assert not failed and len(timed) == 6, (shape, failed, list(timed))
 machine = re.compile(r"(?<![\w.])/(?:tmp|work|root|home|Users|opt|mnt|var|usr)/")
-for name in ("log.txt", "cpu-measured.md", "cpu-measured.json"):
-    found = machine.search((out / name).read_text())
-    assert not found, f"{name} names a folder of this machine: {found.group()}"
-print("the dry run's report, plot and log: checked")
+for path in [out / "log.txt", out / "cpu-measured.md", out / "cpu-measured.json",
+             tuned / "log.txt", sweep]:
+    found = machine.search(path.read_text())
+    assert not found, f"{path.name} names a folder of this machine: {found.group()}"
+print("the dry runs' reports, plot, sweep and logs: checked")
 EOF
-  rm -rf "$out"
+  rm -rf "$out" "$tuned"
   echo "=== the dry run and its checks took $((SECONDS - start)) s"
 fi

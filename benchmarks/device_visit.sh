@@ -5,6 +5,10 @@
 # and its dry run on a CPU (CI: .ci/device_dry_run.sh), the same steps in the same order at
 # the smallest sizes, which stops at the first step that fails:
 #   PYTHON=VENV/bin/python benchmarks/device_visit.sh --dry-run OUT
+# With --tune (a second call on the same GPU, at once after a visit whose kernel tests
+# passed, where 4 minutes of device time are left): the Mosaic GPU kernels alone under each
+# sizing choice (python -m benchmarks.kernel_sizes --backend mosaic_gpu), ending by 210 s;
+# its reports are OUT/kernel-sizes-mosaic_gpu-<device>-<widths>.json.
 # The steps: tokamax and its small dependencies installed beside the machine's jax (pip
 # --no-index --no-deps --target, on PYTHONPATH; a stub for xprof), tokamax imported, the
 # kernel tests (on the GPU the only check of the kernels' real lowering), then `ops` (ours
@@ -16,12 +20,13 @@
 # reports in OUT/<device>-measured.md, .json and .png, written through a link named RESULTS
 # so that each records `--out RESULTS`; nothing in OUT names a folder of the machine.
 set -uo pipefail
-dry=0
-if [ "${1:-}" = --dry-run ]; then
-  dry=1
+dry=0 tune=0
+while [ "${1:-}" = --dry-run ] || [ "${1:-}" = --tune ]; do
+  [ "$1" = --dry-run ] && dry=1
+  [ "$1" = --tune ] && tune=1
   shift
-fi
-out=$(cd "${1:?usage: benchmarks/device_visit.sh [--dry-run] OUT}" && pwd)
+done
+out=$(cd "${1:?usage: benchmarks/device_visit.sh [--dry-run] [--tune] OUT}" && pwd)
 python=${PYTHON:-python3}
 site=$(mktemp -d)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=".:$site"
@@ -34,11 +39,12 @@ tests=(tests/kernels "${tests[@]}")
 # What the dry run changes: the sizes, the tests' selection, the clock; never the steps.
 if [ "$dry" = 1 ]; then
   export JAX_PLATFORMS=cpu
-  size=(--quick) ops_size=() workers=2 scale=6 mode=", dry run on the CPU"
+  size=(--quick) ops_size=() widths=() workers=2 scale=6 mode=", dry run on the CPU"
   tests+=(-k "mosaic_gpu and (bad_arguments or 37-64-float32)")
 else
   # ops at x of 32 MiB alone: both sizes (its default) take twice as long (README.md)
   size=(--rounds 3) ops_size=(--sizes 32) workers=8 scale=1 mode=""
+  widths=(--widths 128 1024 2048 4096 8192 16384)
 fi
 
 failed=()
@@ -74,6 +80,12 @@ visit() {
     "$("$python" --version 2>&1)$mode"
   timeout 20 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 ||
     echo "no nvidia-smi"
+  if [ "$tune" = 1 ]; then
+    run 210 "$python" -m benchmarks.kernel_sizes --backend mosaic_gpu "${size[@]}" \
+      "${widths[@]}" --out RESULTS
+    finish
+    return
+  fi
   run 30 "$python" -m pip install --quiet --no-index --no-deps --target "$site" wheels/*.whl
   stub_xprof
   run 45 "$python" -c "import jax, tokamax; print('jax', jax.__version__, \
@@ -84,6 +96,9 @@ jax.devices()[0].device_kind, 'tokamax', tokamax.__version__, tokamax.__file__)"
     --out RESULTS
   run 490 "$python" -m benchmarks gemma "${size[@]}" --modes scan,unrolled --norms "$norms" \
     --out RESULTS
+  finish
+}
+finish() {
   if [ "${#failed[@]}" != 0 ]; then
     printf "=== failed: %s\n" "${failed[@]}"
     exit 1

@@ -5,8 +5,8 @@ per-row helpers, as in the Pallas-Triton kernels (``triton.py``). Each kernel is
 ``plgpu.kernel`` lowered with Mosaic GPU's lane semantics (explicit register layouts) of
 one warpgroup (128 threads) per block; how a chunk is laid out, loaded and stored, and
 how the persistent grid walks the rows, is ``mosaic_gpu_memory.py``. The schedule
-(``mosaic_gpu_sizing.plan``, whose constants say why each is chosen; none is tuned on a
-GPU yet):
+(``mosaic_gpu_sizing.plan``, whose ``Sizing`` says why each choice is made; none is tuned
+on a GPU yet):
 
 - A row is J splits of S <= 256 features, so that R rows are one TMA copy ``(R, J, S)``
   (a TMA box holds at most 256 elements an axis). A persistent grid (as many blocks as
@@ -70,7 +70,7 @@ from .mosaic_gpu_memory import (
     walk,
     zeros,
 )
-from .mosaic_gpu_sizing import Plan, fits, grid_size, plan_or_raise
+from .mosaic_gpu_sizing import SIZING, Plan, Sizing, fits, grid_size, plan_or_raise
 
 __all__ = [
     "LABEL",
@@ -279,18 +279,29 @@ def _call(body, name, programs, out_type, scratch, interpret):
 
 
 def forward(
-    spec: KernelSpec, x, scale, bias, residual=None, *, h_dtype=None, interpret=False, programs=None
+    spec: KernelSpec,
+    x,
+    scale,
+    bias,
+    residual=None,
+    *,
+    h_dtype=None,
+    interpret=False,
+    programs=None,
+    sizing: Sizing = SIZING,
 ):
     """One pass: ``(y, stat, h)`` of rows ``x``, as ``_contract.py`` specifies.
 
-    ``programs`` (tuning, tests) overrides the persistent grid's size
-    (``Plan.programs``); ``interpret`` (True or ``plgpu.InterpretGPUParams``) runs
-    on the CPU. y (rows, n) is in
-    ``spec.out_dtype``, stat (rows,) float32, h (with ``residual``) in ``h_dtype``.
+    ``programs`` and ``sizing`` (tuning, tests) override the persistent grid's size
+    (``Plan.programs``) and the sizing choices (``mosaic_gpu_sizing.Sizing``);
+    ``interpret`` (True or ``plgpu.InterpretGPUParams``) runs on the CPU. y (rows, n)
+    is in ``spec.out_dtype``, stat (rows,) float32, h (with ``residual``) in ``h_dtype``.
     """
     rows, h_dtype, y_dtype = check_forward(spec, x, scale, bias, residual, h_dtype, _KERNELS)
     res_dtype = None if residual is None else residual.dtype
-    plan = plan_or_raise(spec, rows, x.dtype, "forward", residual_dtype=res_dtype, h_dtype=h_dtype)
+    plan = plan_or_raise(
+        spec, rows, x.dtype, "forward", sizing, residual_dtype=res_dtype, h_dtype=h_dtype
+    )
     programs = grid_size(plan, rows, programs)
     shape3 = (rows, plan.J, plan.S)
     out_type = [out_struct(shape3, y_dtype, x), out_struct((rows,), F32, x)]
@@ -315,21 +326,31 @@ def forward(
 
 
 def backward(
-    spec: KernelSpec, x, dy, stat, scale, dh=None, *, dx_dtype, interpret=False, programs=None
+    spec: KernelSpec,
+    x,
+    dy,
+    stat,
+    scale,
+    dh=None,
+    *,
+    dx_dtype,
+    interpret=False,
+    programs=None,
+    sizing: Sizing = SIZING,
 ):
     """One pass: ``(dx, dscale_partials, dbias_partials)``, as ``_contract.py`` specifies.
 
     ``dx = r * gdy - [col < k] * x * r * alpha * (1/k) * sum_j gdy_j x_j r`` with
     ``gdy = (scale + offset) * dy`` (``_contract.input_grad``), plus ``dh`` when given;
-    the partial sums are (P, n) float32, summed over disjoint sets of rows. ``programs``
-    and ``interpret`` as in :func:`forward`.
+    the partial sums are (P, n) float32, summed over disjoint sets of rows. ``programs``,
+    ``sizing`` and ``interpret`` as in :func:`forward`.
     """
     rows, dx_dtype = check_backward(spec, x, dy, stat, scale, dh, dx_dtype, _KERNELS)
     dh_dtype = None if dh is None else dh.dtype
     # The plan sizes dy by spec.out_dtype (dy is y's cotangent): here by dy's own dtype.
     dy_spec = dataclasses.replace(spec, out_dtype=check_dtype("dy", dy.dtype, _KERNELS))
     plan = plan_or_raise(
-        dy_spec, rows, x.dtype, "backward", residual_dtype=dh_dtype, dx_dtype=dx_dtype
+        dy_spec, rows, x.dtype, "backward", sizing, residual_dtype=dh_dtype, dx_dtype=dx_dtype
     )
     programs = grid_size(plan, rows, programs)
     shape3 = (rows, plan.J, plan.S)

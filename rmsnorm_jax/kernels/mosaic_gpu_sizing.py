@@ -39,7 +39,9 @@ from ._contract import KERNEL_DTYPES, KernelSpec, planned_fits
 from ._device import DEFAULT_SMS, target
 
 __all__ = [
+    "SIZING",
     "Plan",
+    "Sizing",
     "fits",
     "grid_size",
     "plan",
@@ -56,22 +58,53 @@ _MOSAIC_SMEM = 2048
 _BARRIER_BYTES = 128
 # Shared memory of one SM (228 KiB), of which each resident block also reserves 1 KiB.
 _SM_SMEM_BYTES = 228 * 1024
-SIZING = json.loads(
-    resources.files(__package__).joinpath("data/mosaic_gpu_sizing.json").read_text()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """The choices a GPU run tunes; :data:`SIZING` holds ``data/mosaic_gpu_sizing.json``'s,
+    which :func:`plan` takes unless given others (``python -m benchmarks.kernel_sizes
+    --backend mosaic_gpu`` times the kernels under others).
+
+    Attributes:
+      forward_chunk, backward_chunk: float32 elements of one array per thread in a
+        register chunk: the forward's chunk math holds a few such arrays, the backward's
+        about eight (x, dy, dx, dh, two sums), under 128 registers a thread, so that 4
+        warpgroups may share an SM.
+      block_elements: features of a block of rows staged at once (row tiles), so that
+        one TMA copy moves enough bytes to keep the memory system busy.
+      max_tile_features: the widest row kept in row tiles; wider rows take one row per
+        block (a tile of 8 rows of 4096 features leaves no room for the backward's
+        partial sums in shared memory).
+      max_blocks_per_sm: blocks (warpgroups) resident on one SM: enough to overlap one
+        block's TMA copies with another's arithmetic; more would cap registers below
+        128 a thread.
+    """
+
+    forward_chunk: int
+    backward_chunk: int
+    block_elements: int
+    max_tile_features: int
+    max_blocks_per_sm: int
+
+    @classmethod
+    def from_data(cls, data: dict) -> Sizing:
+        chunk = data["chunk_elements"]
+        return cls(
+            chunk["forward"],
+            chunk["backward"],
+            data["block_elements"],
+            data["max_tile_features"],
+            data["max_blocks_per_sm"],
+        )
+
+    def chunk(self, kind: str) -> int:
+        return self.forward_chunk if kind == "forward" else self.backward_chunk
+
+
+SIZING = Sizing.from_data(
+    json.loads(resources.files(__package__).joinpath("data/mosaic_gpu_sizing.json").read_text())
 )
-# Float32 elements of one array per thread in a chunk: the forward's chunk math holds a
-# few such arrays, the backward's about eight (x, dy, dx, dh, two sums), under 128
-# registers a thread, so that 4 warpgroups may share an SM.
-_CHUNK_ELEMENTS: dict[str, int] = SIZING["chunk_elements"]
-# Features of a block of rows staged at once (narrow rows), so that one TMA copy moves
-# enough bytes to keep the memory system busy.
-_BLOCK_ELEMENTS: int = SIZING["block_elements"]
-# Widest row kept in row tiles; wider rows take one row per block (a tile of 8 rows of
-# 4096 features leaves no room for the backward's partial sums in shared memory).
-_MAX_TILE_FEATURES: int = SIZING["max_tile_features"]
-# Blocks (warpgroups) resident on one SM: enough to overlap one block's TMA copies with
-# another's arithmetic; more would cap registers below 128 a thread.
-_MAX_BLOCKS_PER_SM: int = SIZING["max_blocks_per_sm"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +122,7 @@ class Plan:
       smem: shared-memory bytes of one block.
       stream: (split rows only) the row's chunks are loaded for each pass through
         two-slot rings instead of staged whole (rows too wide for shared memory).
+      max_blocks_per_sm: the :class:`Sizing`'s, which :meth:`programs` keeps to.
     """
 
     kind: str
@@ -102,6 +136,7 @@ class Plan:
     slots: int
     smem: int
     stream: bool = False
+    max_blocks_per_sm: int = SIZING.max_blocks_per_sm
 
     @property
     def tiles(self) -> int:
@@ -123,8 +158,8 @@ class Plan:
 
     def programs(self, rows: int, sms: int | None = None) -> int:
         """Persistent blocks: as many as fit the SMs' shared memory (at most
-        ``_MAX_BLOCKS_PER_SM`` an SM), at most one per block of rows."""
-        per_sm = min(_MAX_BLOCKS_PER_SM, _SM_SMEM_BYTES // (self.smem + 1024))
+        ``max_blocks_per_sm`` an SM), at most one per block of rows."""
+        per_sm = min(self.max_blocks_per_sm, _SM_SMEM_BYTES // (self.smem + 1024))
         return max(1, min(self.blocks(rows), (sms or DEFAULT_SMS) * per_sm))
 
 
@@ -182,10 +217,11 @@ def plan(
     residual_dtype=None,
     h_dtype=None,
     dx_dtype=None,
+    sizing: Sizing = SIZING,
 ) -> Plan | None:
-    """The schedule of a ``kind`` call, or None when the kernels cannot take it (a dtype
-    they do not take, a row whose features do not split into 16-byte TMA rows, or a
-    block that does not fit shared memory)."""
+    """The schedule of a ``kind`` call under ``sizing``, or None when the kernels cannot
+    take it (a dtype they do not take, a row whose features do not split into 16-byte TMA
+    rows, or a block that does not fit shared memory)."""
     staged, outs = _row_dtypes(spec, x_dtype, kind, residual_dtype, h_dtype, dx_dtype)
     if rows < 1 or any(d not in KERNEL_DTYPES for d in (*staged, *outs)):
         return None
@@ -195,14 +231,15 @@ def plan(
     if spec.has_scale or spec.has_bias or kind == "backward":
         widest = 4  # float32 parameters and partial sums share the chunks' layout
     sector = 16 // min(d.itemsize for d in (*staged, *outs))
-    for split in (spec.n > _MAX_TILE_FEATURES, spec.n <= _MAX_TILE_FEATURES):
-        found = _plan(spec, rows, kind, split, widest, sector, staged, outs)
+    wide = spec.n > sizing.max_tile_features
+    for split in (wide, not wide):
+        found = _plan(spec, rows, kind, split, widest, sector, staged, outs, sizing)
         if found is not None:
             return found
     return None
 
 
-def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
+def _plan(spec, rows, kind, split, widest, sector, staged, outs, sizing) -> Plan | None:
     # The widest vectors that leave 8 lanes or more across a split (a quarter warp reads
     # 128 contiguous bytes), else the most lanes.
     found = []
@@ -215,7 +252,7 @@ def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
     _, v, lanes, S = max(found)
     J = spec.n // S
     unit = 4 * (32 // lanes)  # rows (splits) of the layout's base tile
-    T = max(unit, _CHUNK_ELEMENTS[kind] * 128 // S // unit * unit)
+    T = max(unit, sizing.chunk(kind) * 128 // S // unit * unit)
     if split:
         if J % unit:
             return None
@@ -225,7 +262,7 @@ def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
         # TMA copies into shared memory move whole multiples of 128 bytes.
         unit = max(T, *(128 // math.gcd(128, spec.n * d.itemsize) for d in staged))
         unit = unit * T // math.gcd(unit, T)
-        R = unit * max(1, _BLOCK_ELEMENTS // (unit * spec.n))
+        R = unit * max(1, sizing.block_elements // (unit * spec.n))
         R = min(R, 256 // unit * unit, -(-rows // unit) * unit)
         if R < unit:
             return None
@@ -234,7 +271,8 @@ def _plan(spec, rows, kind, split, widest, sector, staged, outs) -> Plan | None:
             break
         smem = _smem(spec, kind, split, S, T, R, slots, staged, outs, stream)
         if smem + _BARRIER_BYTES <= SMEM_BYTES:
-            return Plan(kind, split, S, J, v, lanes, T, R, slots, smem, stream)
+            per_sm = sizing.max_blocks_per_sm
+            return Plan(kind, split, S, J, v, lanes, T, R, slots, smem, stream, per_sm)
     return None
 
 
@@ -261,8 +299,8 @@ def fits(spec: KernelSpec, rows: int, x_dtype, **call) -> bool:
 # ---------------------------------------------------------------- the calls' arguments
 
 
-def plan_or_raise(spec, rows, x_dtype, kind, **dtypes) -> Plan:
-    found = plan(spec, rows, x_dtype, kind, **dtypes)
+def plan_or_raise(spec, rows, x_dtype, kind, sizing: Sizing = SIZING, **dtypes) -> Plan:
+    found = plan(spec, rows, x_dtype, kind, sizing=sizing, **dtypes)
     if found is None:
         raise ValueError(
             f"the Mosaic GPU {kind} kernel does not take {rows} rows of {spec.n} features "

@@ -185,6 +185,40 @@ def test_live_peak_counts_the_buffers_live_together_not_all():
     assert chain == 2 * block and chain <= chain_held
 
 
+@pytest.mark.newest
+def test_the_mosaic_gpu_sweep_times_each_distinct_plan_once(tmp_path, capsys):
+    """``kernel_sizes --backend mosaic_gpu --quick`` on a CPU (the visit's dry run, the
+    kernels interpreted): every sizing whose plan differs is a row, timed; one whose plan is
+    the data's is named as such, not timed again; each plan recorded."""
+    from benchmarks import kernel_sizes
+    from rmsnorm_jax.kernels import mosaic_gpu
+
+    if not mosaic_gpu.available():
+        assert kernel_sizes.main(["--backend", "mosaic_gpu", "--quick"]) == 2
+        assert "jax >= 0.11.2" in capsys.readouterr().out
+        return
+    argv = ["--backend", "mosaic_gpu", "--quick", "--dtypes", "bfloat16", "--out", str(tmp_path)]
+    assert kernel_sizes.main(argv) == 0
+    got = json.loads((tmp_path / "kernel-sizes-mosaic_gpu-cpu-256.json").read_text())
+    assert got["note"] == "smoke run (--quick): not a measurement"
+    rows, plans = got["rows"]["bfloat16 n=256"], got["plans"]["bfloat16 n=256"]
+    timed = ["forward data's", "forward forward_chunk=32"]
+    timed += ["backward data's", "backward backward_chunk=16"]
+    assert sorted(rows) == sorted(["xla fwd", "xla fwd+bwd", *timed])
+    assert all(r["median_s"] > 0 for r in rows.values())
+    assert plans["forward backward_chunk=16"] == "the plan of forward data's"
+    assert plans["backward forward_chunk=32"] == "the plan of backward data's"
+    assert "T=8 rows" in plans["forward data's"]
+    assert "T=16 rows" in plans["forward forward_chunk=32"]
+
+
+def test_the_sweep_refuses_a_cpu_where_it_would_time_nothing(capsys):
+    from benchmarks import kernel_sizes
+
+    assert kernel_sizes.main(["--backend", "triton", "--quick"]) == 2
+    assert "--backend mosaic_gpu --quick" in capsys.readouterr().out
+
+
 def test_residual_bytes_are_read_from_shapes():
     """What each backward keeps (``jax.vjp``'s residuals), without computing it: ours x, the
     scale and one float32 per row; flax's RMSNorm float32 copies."""

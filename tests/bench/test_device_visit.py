@@ -139,3 +139,20 @@ def test_the_visit_goes_on_past_a_failed_step_and_says_so(tmp_path):
     assert [call[2] for call in argv if call[1:2] == ["benchmarks"]] == ["ops", "step", "gemma"]
     assert "=== exit 3 after" in log
     assert re.search(r"=== failed: .*-m benchmarks step.* \(exit 3\)", log), log[-500:]
+
+
+def test_the_tune_call_times_the_mosaic_gpu_sizings_and_its_dry_run_the_same(tmp_path):
+    """``--tune``, the visit's second call: the Mosaic GPU sweep alone (no install, no
+    tests), over the widths the runbook names; its dry run the same call at ``--quick``."""
+    calls = {}
+    for name, flags in (("real", ["--tune"]), ("dry", ["--dry-run", "--tune"])):
+        (tmp_path / name).mkdir()
+        done, argv, log = _visit(tmp_path / name, *flags)
+        assert done.returncode == 0, done.stderr
+        assert "every step passed" in log and not ABSOLUTE.search(log)
+        assert argv[0] == ["--version"] and argv[2:] == [["-c", "import sys; print(sys.prefix)"]]
+        calls[name] = argv[1]
+    head = ["-m", "benchmarks.kernel_sizes", "--backend", "mosaic_gpu"]
+    widths = ["--widths", "128", "1024", "2048", "4096", "8192", "16384"]
+    assert calls["real"] == [*head, "--rounds", "3", *widths, "--out", "RESULTS"]
+    assert calls["dry"] == [*head, "--quick", "--out", "RESULTS"]

@@ -1,10 +1,10 @@
 """What is the Mosaic GPU kernels' own (``rmsnorm_jax/kernels/mosaic_gpu.py``): wide rows
-staged and streamed, the persistent backward's partial sums (both under the interpreter's
-race detector), ``fits``, the argument errors, and a deviceless H100 compile (each kernel
-one Mosaic GPU call, no register spills, the planned shared memory what Mosaic allocates).
-On a CPU the kernels run in Mosaic GPU interpret mode (the same kernel bodies, shared
-memory, TMA copies and barriers); on a GPU they run compiled. Their numerics against the
-float64 formula over widths, dtypes and options are ``test_backends.py``'s.
+staged and streamed, the persistent backward's partial sums, other sizings (all under the
+interpreter's race detector), ``fits``, the argument errors, and a deviceless H100 compile
+(each kernel one Mosaic GPU call, no register spills, the planned shared memory what Mosaic
+allocates). On a CPU the kernels run in Mosaic GPU interpret mode (the same kernel bodies,
+shared memory, TMA copies and barriers); on a GPU they run compiled. Their numerics against
+the float64 formula over widths, dtypes and options are ``test_backends.py``'s.
 """
 
 import dataclasses
@@ -57,13 +57,13 @@ def _race_checked():
     return plgpu.InterpretGPUParams(detect_races=True, on_race="raise")
 
 
-def _run(spec, x, scale, bias, dy, interpret=INTERPRET):
+def _run(spec, x, scale, bias, dy, interpret=INTERPRET, sizing=mosaic_gpu_sizing.SIZING):
     scale = scale if spec.has_scale else None
     bias = bias if spec.has_bias else None
-    y, stat, h = mosaic_gpu.forward(spec, x, scale, bias, interpret=interpret)
+    y, stat, h = mosaic_gpu.forward(spec, x, scale, bias, interpret=interpret, sizing=sizing)
     assert h is None
     dx, dscale, dbias = mosaic_gpu.backward(
-        spec, x, dy, stat, scale, dx_dtype=x.dtype, interpret=interpret
+        spec, x, dy, stat, scale, dx_dtype=x.dtype, interpret=interpret, sizing=sizing
     )
     return y, stat, dx, dscale, dbias
 
@@ -109,6 +109,54 @@ def test_persistent_backward_partials_hold_each_programs_rows(n, rows, programs)
             assert_close(dbias[got].sum(0), np.asarray(dy64)[mine].sum(0), **f32)
         _, _, (dx_o, _, _) = kernel_oracle(spec, x, scale, bias, dy)
         assert_close(dx, dx_o, **tol(jnp.float32))
+
+
+ROWS = 77  # the last block partial under each sizing below
+# features, dtype, the changes to the data's sizing, split rows (else row tiles)
+SIZINGS = {
+    "2048 split, wider chunks": (
+        2048,
+        jnp.bfloat16,
+        dict(max_tile_features=1024, forward_chunk=32),
+        True,
+    ),
+    "4096 tiles, the backward's one staging slot": (
+        4096,
+        jnp.bfloat16,
+        dict(max_tile_features=4096),
+        False,
+    ),
+    "256 larger blocks, wider chunks": (
+        256,
+        jnp.bfloat16,
+        dict(block_elements=16384, backward_chunk=16),
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SIZINGS)
+def test_other_sizings_give_the_formula(case):
+    """The sizings ``python -m benchmarks.kernel_sizes --backend mosaic_gpu`` times, away
+    from the data's: other plans (checked to differ, and the backward's partial sums to
+    have the other plan's rows), the same values as the float64 formula; 77 rows, so the
+    last block is partial. Free of data races."""
+    n, dtype, changes, split = SIZINGS[case]
+    spec = _spec(n, dtype, offset=1.0)
+    sizing = dataclasses.replace(mosaic_gpu_sizing.SIZING, **changes)
+    for kind in ("forward", "backward"):
+        dtypes = dict(dx_dtype=dtype) if kind == "backward" else {}
+        mine = mosaic_gpu_sizing.plan(spec, ROWS, dtype, kind, sizing=sizing, **dtypes)
+        data = mosaic_gpu_sizing.plan(spec, ROWS, dtype, kind, **dtypes)
+        assert mine.split == split, (kind, mine)
+        assert (mine.T, mine.R, mine.split) != (data.T, data.R, data.split), (kind, mine)
+    x, scale, bias, dy = kernel_inputs(ROWS, n, dtype, seed=9)
+    got = _run(spec, x, scale, bias, dy, interpret=_race_checked(), sizing=sizing)
+    check_kernel_outputs(spec, dtype, x, scale, bias, dy, got)
+    # The backward ran the sizing's plan: its partial sums are a row per program and per
+    # row of a chunk (row tiles) or one (split rows).
+    sums = [mosaic_gpu_sizing.grid_size(p, ROWS) * p.acc_rows for p in (mine, data)]
+    assert got[3].shape[0] == sums[0] != sums[1], sums
 
 
 def test_fits():
