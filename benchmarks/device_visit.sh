@@ -32,7 +32,7 @@ site=$(mktemp -d)
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=".:$site"
 log=$out/log.txt
 norms="rms_norm,rms_norm [xla],rms_norm [pallas],gemma's own"
-step_norms="rms_norm,rms_norm [xla],rms_norm [pallas]"  # and flax RMSNorm, step's reference
+step_norms="rms_norm,rms_norm [xla],rms_norm [pallas],add_rms_norm [xla],add_rms_norm [pallas]"
 mapfile -t tests < <(find tests -name test_residual_rounding.py -o -name test_add_and_gated.py)
 tests=(tests/kernels "${tests[@]}")
 

@@ -5,6 +5,7 @@ from the public architectures; float32 parameters, bfloat16 activations)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -27,13 +28,16 @@ def _mlp(y, p, mlp: str):
     return {"relu": jax.nn.relu, "gelu": jax.nn.gelu}[mlp](y @ p["w1"]) @ p["w2"]
 
 
-def prenorm_stack_train_step(norm, layers=8, mlp="swiglu", unroll=False, remat_policy=None):
+def prenorm_stack_train_step(
+    norm, layers=8, mlp="swiglu", unroll=False, remat_policy=None, implementation="auto"
+):
     """``(train_step(params, h) -> params, params_shapes(d, dtype))``: SGD on ``layers``
     pre-norm blocks (``h + norm1(h) @ wv @ wo``, ``h + mlp(norm2(h))``; relu and gelu 4x
     hidden, SwiGLU 8/3x) under ``lax.scan``, a final norm, a mean-square loss, parameters in
-    h's dtype. ``norm=None`` fuses each residual add into the next norm (``add_rms_norm``);
-    ``unroll``: a cost model counts a loop body once; ``remat_policy`` checkpoints each
-    layer. ``train_step.objective`` is the loss."""
+    h's dtype. ``norm=None`` fuses each residual add into the next norm (``add_rms_norm``
+    on ``implementation``'s path); ``unroll``: a cost model counts a loop body once;
+    ``remat_policy`` checkpoints each layer. ``train_step.objective`` is the loss."""
+    fused = functools.partial(rmsnorm_jax.add_rms_norm, implementation=implementation)
     if mlp not in MLPS:
         raise ValueError(f"mlp={mlp!r}: expected one of {MLPS}")
 
@@ -51,13 +55,13 @@ def prenorm_stack_train_step(norm, layers=8, mlp="swiglu", unroll=False, remat_p
     def fused_loss(params, h):
         def layer(carry, p):  # the stream and the block's output not yet added
             h, delta = carry
-            y, h = rmsnorm_jax.add_rms_norm(delta, h, p["scale1"], EPS)
-            y, h = rmsnorm_jax.add_rms_norm((y @ p["wv"]) @ p["wo"], h, p["scale2"], EPS)
+            y, h = fused(delta, h, p["scale1"], EPS)
+            y, h = fused((y @ p["wv"]) @ p["wo"], h, p["scale2"], EPS)
             return (h, _mlp(y, p, mlp)), None
 
         init = (h, jnp.zeros_like(h))
         (h, delta), _ = lax.scan(remat(layer), init, params["layers"], unroll=unroll)
-        y, _ = rmsnorm_jax.add_rms_norm(delta, h, params["final_scale"], EPS)
+        y, _ = fused(delta, h, params["final_scale"], EPS)
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
     objective = fused_loss if norm is None else loss

@@ -192,8 +192,9 @@ def op_programs(platform: str) -> list[OpProgram]:
 def step_norms(platform: str, smoke: bool = False) -> dict[str, dict]:
     """The pre-norm step's norms, ``{label: prenorm_stack_train_step kwargs}``: ``norm=None``
     fuses each residual add into the next norm; the remat row keeps only the statistics.
-    Ours on each path on a device, and in a CPU's smoke run (``--quick``: there the kernels
-    run interpreted, as the GPU visit's dry run needs them)."""
+    Ours on each path (``rms_norm`` and the fused ``add_rms_norm``) on a device, and in a
+    CPU's smoke run (``--quick``: there the kernels run interpreted, as the GPU visit's dry
+    run needs them)."""
     stat_only = jax.checkpoint_policies.save_only_these_names("rms_norm_stat")
     norms = {n: dict(norm=IMPLEMENTATIONS[n]) for n in ("rms_norm", *NORM_PEERS)}
     norms["add_rms_norm"] = dict(norm=None)
@@ -202,6 +203,7 @@ def step_norms(platform: str, smoke: bool = False) -> dict[str, dict]:
     norms[STEP_FLOOR] = dict(norm=scale_only)
     if platform != "cpu" or smoke:  # a CPU's full run: "auto" is XLA, kernels interpreted
         norms |= {f"rms_norm [{p}]": dict(norm=path("rms_norm", p)) for p in PATHS}
+        norms |= {f"add_rms_norm [{p}]": dict(norm=None, implementation=p) for p in PATHS}
     return norms
 
 

@@ -9,11 +9,12 @@ committed win against it):
 - ``ops``, forward+backward: at one width and dtype a kernel backend wins where its median
   is below the XLA path's at every size of x the run measured there; of several, the one
   with the least time summed over the sizes.
-- The train steps (``step``, ``gemma``): where the run timed a step with the kernels
-  (``rms_norm [pallas]``) that was not faster than the same step on the XLA path, the
-  widths its norms normalize (the pre-norm stack's d; Gemma's d and head_dim) are losses
-  for ``rms_norm``'s kernels at that step's dtype: ``"auto"`` takes a kernel only where the
-  whole train step is not slower.
+- The train steps (``step``, ``gemma``): where the run timed a step with an op's kernels
+  (``"{op} [pallas]"``: the pre-norm stack's norms or its fused adds, Gemma's norms) that
+  was not faster than the same step on the XLA path (``"{op} [xla]"``), the widths it
+  normalizes (the pre-norm stack's d; Gemma's d and head_dim) are losses for that op's
+  kernels at that step's dtype: ``"auto"`` takes no kernel where a whole train step with
+  it was measured no faster.
 - A win is a run of consecutive won widths (a loss, or a width where no kernel ran, ends
   it): one entry per op, backend and range, the dtypes with the same range together, x of
   at least the smallest measured inside.
@@ -114,26 +115,25 @@ def op_verdicts(ops_rows: list[dict], op: str, pallas_backend: str | None) -> di
     return out
 
 
-def step_losses(sections: dict) -> dict[str, set[int]]:
-    """``{dtype: widths}`` where a train step with ``rms_norm``'s kernels was not faster
-    than the same step on the XLA path."""
+def step_losses(sections: dict, op: str) -> dict[str, set[int]]:
+    """``{dtype: widths}`` where a train step with ``op``'s kernels (``"{op} [pallas]"``) was
+    not faster than the same step on the XLA path."""
     losses: dict[str, set[int]] = defaultdict(set)
+    kernels = f"{op} [pallas]"
     for name in ("step", "gemma"):
         section = sections.get(name)
         if not section:
             continue
         rows = _ok(section["results"])
-        names = {r["norm"] for r in rows}
-        xla = "rms_norm [xla]" if "rms_norm [xla]" in names else "rms_norm"
+        xla = f"{op} [xla]" if any(r["norm"] == f"{op} [xla]" for r in rows) else op
         groups: dict = defaultdict(dict)
         for r in rows:
             # Gemma's step: bfloat16 activations (benchmarks/gemma.py)
             key = (r.get("mlp"), r.get("mode"), r.get("dtype", "bfloat16"), r.get("d"))
             groups[key][r["norm"]] = r["median_s"]
         for (_, _, dtype, d), times in groups.items():
-            if "rms_norm [pallas]" in times and xla in times:
-                if times["rms_norm [pallas]"] >= times[xla]:
-                    losses[dtype].update(GEMMA_WIDTHS if name == "gemma" else (d,))
+            if kernels in times and xla in times and times[kernels] >= times[xla]:
+                losses[dtype].update(GEMMA_WIDTHS if name == "gemma" else (d,))
     return losses
 
 
@@ -150,11 +150,10 @@ def derive(
     commit = commit or ops.get("commit")
     if not commit:
         raise SystemExit("this run predates the sections' commit: pass --commit")
-    losses = step_losses(sections)
     wins = []
     for op in OPS:
         verdicts = op_verdicts(ops["results"], op, pallas_backend)
-        lost = losses if op == "rms_norm" else {}
+        lost = step_losses(sections, op)
         ranges: dict = defaultdict(list)  # (backend, (lo, hi)) -> [(dtype, [(n, verdict)])]
         for dtype in sorted({d for d, _ in verdicts}, key=DTYPES.index):
             widths = sorted({n for d, n in verdicts if d == dtype} | lost.get(dtype, set()))

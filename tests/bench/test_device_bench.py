@@ -236,14 +236,16 @@ def test_quick_gemma_step_on_the_device(quick_report):
 
 
 def test_gemma_norms_on_a_device():
-    """The default norms: every one of the model's, the floor, and ours on each path (a
-    CPU's run is a smoke run of the small model: there the kernels run interpreted); a
-    deviceless compile leaves the paths out (a kernel has no cost estimate)."""
+    """The default norms: every one of the model's, the floor, and ours on each path (the
+    pre-norm step's fused add too; a CPU's run is a smoke run of the small model: there the
+    kernels run interpreted); a deviceless compile leaves the paths out (a kernel has no
+    cost estimate)."""
     paths = ["rms_norm [xla]", "rms_norm [pallas]"]
     for platform in ("cpu", "gpu"):
         assert list(peers.gemma_norms(platform)) == [*peers.GEMMA_NORMS, peers.GEMMA_FLOOR, *paths]
     assert list(peers.gemma_norms(None)) == [*peers.GEMMA_NORMS, peers.GEMMA_FLOOR]
-    assert set(peers.step_norms("gpu")) - set(peers.step_norms("cpu")) == set(paths)
+    fused = ["add_rms_norm [xla]", "add_rms_norm [pallas]"]
+    assert set(peers.step_norms("gpu")) - set(peers.step_norms("cpu")) == {*paths, *fused}
     assert set(peers.step_norms("cpu", smoke=True)) == set(peers.step_norms("gpu"))
 
 
