@@ -7,7 +7,8 @@ choice, beside the XLA path, x of 32 MiB, CUPTI device time in interleaved round
 - ``mosaic_gpu``: each choice of ``mosaic_gpu_sizing.Sizing`` halved and doubled, one at a
   time, from the data's (``kernels/data/mosaic_gpu_sizing.json``); a choice that leaves a
   call's plan and grid as the data's is not timed again -> OUT/kernel-sizes-mosaic_gpu-
-  <device>-<widths>.json, written again after each width, with each plan and GB/s.
+  <device>-<widths>.json, written again after each width, with each plan, GB/s and per
+  shape the fastest sizing of each kernel.
 
 A GPU question: elsewhere it refuses, except ``--backend mosaic_gpu --quick`` on a CPU
 (the GPU visit's dry run: the kernels interpreted on 64 rows, not a timing)."""
@@ -129,6 +130,21 @@ def mosaic_gpu_programs(n: int, dtype, rows: int, sms: int, quick: bool, interpr
     return out, plans
 
 
+def fastest(table: dict) -> dict:
+    """Per kernel, the sizing with the least median time and its time over the data's
+    sizing's (the Mosaic GPU sweep's summary of one shape)."""
+    out = {}
+    for kind in ("forward", "backward"):
+        timed = {
+            k: r["median_s"] for k, r in table.items() if k.startswith(kind) and "median_s" in r
+        }
+        if f"{kind} data's" in timed:
+            best = min(timed, key=timed.get)
+            out[kind] = dict(sizing=best.removeprefix(f"{kind} "),
+                             vs_data=timed[best] / timed[f"{kind} data's"])  # fmt: skip
+    return out
+
+
 def _mosaic_fwd(spec, x, s, **kw):
     return mosaic_gpu.forward(spec, x, s, None, **kw)[:2]
 
@@ -197,6 +213,9 @@ def main(argv=None) -> int:
                     moves = MOVES.get(label) or MOVES[label.split()[0]]
                     table[label]["gbs"] = moves * rows * n * dtype.itemsize / r["median_s"] / 1e9
                 print(f"{key} {label:40s} {report.us(r.get('median_s'))} us")
+            if args.backend == "mosaic_gpu":
+                results.setdefault("fastest", {})[key] = fastest(table)
+                print(f"{key} fastest: {results['fastest'][key]}")
             out.write_text(report.dumps(results) + "\n")  # kept if a later width runs out
     print(f"wrote {out}")
     return 0

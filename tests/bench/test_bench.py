@@ -210,6 +210,12 @@ def test_the_mosaic_gpu_sweep_times_each_distinct_plan_once(tmp_path, capsys):
     assert plans["backward forward_chunk=32"] == "the plan of backward data's"
     assert "T=8 rows" in plans["forward data's"]
     assert "T=16 rows" in plans["forward forward_chunk=32"]
+    fastest = got["fastest"]["bfloat16 n=256"]
+    for kind in ("forward", "backward"):
+        mine = {k.removeprefix(f"{kind} "): r for k, r in rows.items() if k.startswith(kind)}
+        times = {k: r["median_s"] for k, r in mine.items()}
+        best = min(times, key=times.get)
+        assert fastest[kind] == dict(sizing=best, vs_data=times[best] / times["data's"])
 
 
 def test_the_sweep_refuses_a_cpu_where_it_would_time_nothing(capsys):
