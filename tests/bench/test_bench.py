@@ -140,7 +140,8 @@ def test_benchmarks_readme_lists_every_section():
     text = (ROOT / "benchmarks" / "README.md").read_text()
     for section in cli.SECTIONS:
         assert f"python -m benchmarks {section}" in text
-    for module in ("kernel_sizes", "kernel_table", "peak", "clients_memory", "compare_jax", "wins"):
+    modules = ["kernel_sizes", "kernel_table", "peak", "clients_memory", "compare_jax"]
+    for module in [*modules, "wins", "goals"]:
         assert f"python -m benchmarks.{module}" in text
 
 
