@@ -117,7 +117,10 @@ def op_verdicts(ops_rows: list[dict], op: str, pallas_backend: str | None) -> di
 
 def step_losses(sections: dict, op: str) -> dict[str, set[int]]:
     """``{dtype: widths}`` where a train step with ``op``'s kernels (``"{op} [pallas]"``) was
-    not faster than the same step on the XLA path."""
+    not faster than the same step on the XLA path (``"{op} [xla]"``; in a run from before
+    those rows, ``"{op}"`` where ``"auto"`` ran no kernel in the run's ``ops``)."""
+    ops = sections["ops"]["results"]
+    auto_was_xla = not any(r.get("uses_kernel") for r in ops if r["impl"] == op)
     losses: dict[str, set[int]] = defaultdict(set)
     kernels = f"{op} [pallas]"
     for name in ("step", "gemma"):
@@ -125,7 +128,12 @@ def step_losses(sections: dict, op: str) -> dict[str, set[int]]:
         if not section:
             continue
         rows = _ok(section["results"])
-        xla = f"{op} [xla]" if any(r["norm"] == f"{op} [xla]" for r in rows) else op
+        if any(r["norm"] == f"{op} [xla]" for r in rows):
+            xla = f"{op} [xla]"
+        elif auto_was_xla:  # a run from before the "[xla]" rows
+            xla = op
+        else:
+            continue
         groups: dict = defaultdict(dict)
         for r in rows:
             # Gemma's step: bfloat16 activations (benchmarks/gemma.py)

@@ -148,6 +148,20 @@ def test_an_older_run_needs_what_it_did_not_record():
         wins.derive(run, "r.json")
 
 
+def test_a_step_is_read_against_xla_only():
+    """A run from before the "[xla]" rows: its "rms_norm" step is the XLA path where "auto"
+    ran no kernel in its ops, and no reference where it did."""
+    times = {("bfloat16", n): WIN for n in (1024, 2048)}
+    slower = [("bfloat16", 2048, {"rms_norm": 60.0, "rms_norm [pallas]": 61.0})]
+    run = _run(times, steps=slower)
+    assert _ranges(run) == [("mosaic_gpu", ("bfloat16",), (1024, 1024))]
+    for r in run["sections"]["ops"]["results"]:
+        if r["impl"] == "rms_norm [pallas]":
+            run["sections"]["ops"]["results"].append(r | dict(impl="rms_norm"))
+            break
+    assert _ranges(run) == [("mosaic_gpu", ("bfloat16",), (1024, 2048))]
+
+
 def test_update_replaces_the_same_device_and_jax_and_keeps_the_layout():
     text = wins.WINS_FILE.read_text()
     assert wins.update([], text) == text  # the committed file's own layout
