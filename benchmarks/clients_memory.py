@@ -15,6 +15,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -27,6 +28,9 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # read once, at keras's first imp
 DUMP = tempfile.mkdtemp(prefix="clients_memory-") if "--live" in sys.argv else None
 if DUMP:  # each compile dumps its passes' programs: hundreds of MB in a run, gone at its end
     atexit.register(shutil.rmtree, DUMP, ignore_errors=True)
+    # timeout(1) and kill stop a run with SIGTERM, which ends Python without its atexit
+    # calls unless it is turned into an exit (SIGKILL still leaves the folder).
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
 DUMP_FLAGS = f" --xla_dump_to={DUMP} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_loss"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + DUMP_FLAGS * bool(DUMP)
 warnings.simplefilter("ignore", DeprecationWarning)

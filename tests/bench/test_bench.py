@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,23 @@ def test_the_sweep_refuses_a_cpu_where_it_would_time_nothing(capsys):
 
     assert kernel_sizes.main(["--backend", "triton", "--quick"]) == 2
     assert "--backend mosaic_gpu --quick" in capsys.readouterr().out
+
+
+def test_a_live_run_stopped_by_sigterm_removes_its_dumps():
+    """``clients_memory --live`` dumps hundreds of MB into a folder of its own; ``timeout``
+    stops a run with SIGTERM, after which the folder must be gone (it was left before)."""
+    code = (
+        "import os, signal, sys, time; sys.argv += ['--live']\n"
+        "from benchmarks import clients_memory\n"
+        "print(clients_memory.DUMP, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)  # fmt: skip
+    dump = done.stdout.strip().splitlines()[0]
+    assert done.returncode == 128 + 15, done.stderr
+    assert dump.startswith(tempfile.gettempdir()) and not os.path.exists(dump)
 
 
 def test_residual_bytes_are_read_from_shapes():
