@@ -17,6 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
+from . import report
+from .wins import step_times
+
 FORWARD, BOTH, QK, ADD = 95.0, 90.0, 80.0, 90.0
 WIDEST = 32768
 
@@ -81,26 +84,17 @@ def kernel_rows(ops_rows: list[dict]) -> list[list]:
 def step_rows(sections: dict) -> list[list]:
     """Each train step with ``"auto"`` against the same step on the XLA path alone."""
     out = []
-    for name in ("step", "gemma"):
-        rows = [r for r in (sections.get(name) or {}).get("results", []) if r.get("median_s")]
+    for (name, config, dtype, _), times in step_times(sections).items():
         for op in ("rms_norm", "add_rms_norm"):
-            groups: dict = {}
-            for r in rows:
-                key = (r.get("mlp") or r.get("mode"), r.get("dtype", "bfloat16"))
-                groups.setdefault(key, {})[r["norm"]] = r["median_s"]
-            for (config, dtype), times in groups.items():
-                if op in times and f"{op} [xla]" in times:
-                    ratio = times[op] / times[f"{op} [xla]"]
-                    verdict = "met" if ratio <= 1 else f"slower by {100 * (ratio - 1):.1f} %"
-                    out.append([name, config, dtype, op, f"{ratio:.3f}", verdict])
+            if op in times and f"{op} [xla]" in times:
+                ratio = times[op] / times[f"{op} [xla]"]
+                verdict = "met" if ratio <= 1 else f"slower by {100 * (ratio - 1):.1f} %"
+                out.append([name, config, dtype, op, f"{ratio:.3f}", verdict])
     return out
 
 
-def _table(head: str, rows: list[list]) -> str:
-    if not rows:
-        return "(none measured)"
-    lines = [f"| {head} |", "|" + "---|" * len(head.split(" | "))]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+def _table(head: str, rows: list[list], align: str) -> str:
+    return report.table(head, rows, align) if rows else "(none measured)"
 
 
 def markdown(results: dict) -> str:
@@ -110,15 +104,17 @@ def markdown(results: dict) -> str:
     if commit := sections["ops"].get("commit"):
         where += f" at {commit}"
     cols = "x MiB | features | dtype | op | kind"
+    bandwidth = f"{cols} | % | goal | verdict | kernels (device time)"
+    steps = "section | config | dtype | op | ratio | verdict"
     return "\n\n".join(
         [
             f"# Issue 46's goals: {where}",
             "## Bandwidth: % of the copy's rate (forward) or of its byte bound (forward+backward)",
-            _table(f"{cols} | % | goal | verdict | kernels (device time)", bandwidth_rows(ops)),
+            _table(bandwidth, bandwidth_rows(ops), "rrlllrrll"),
             '## Where "auto" took a kernel: its time over each other path\'s',
-            _table(f"{cols} | against | ratio | verdict | kernels", kernel_rows(ops)),
+            _table(f"{cols} | against | ratio | verdict | kernels", kernel_rows(ops), "rrllllrll"),
             '## Train steps: "auto" over the XLA path alone',
-            _table("section | config | dtype | op | ratio | verdict", step_rows(sections)),
+            _table(steps, step_rows(sections), "llllrl"),
         ]
     )
 

@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     results |= dict(sms=sms, mib=32, command=report.command(argv, p.prog), rows={})
     if args.backend == "mosaic_gpu":
         results["sizing"] = dataclasses.asdict(mosaic_gpu_sizing.SIZING)
-        results["plans"] = {}
+        results |= dict(plans={}, fastest={})
     if args.quick:
         results["note"] = "smoke run (--quick): not a measurement"
     stem = "kernel-sizes" + ("-mosaic_gpu" if args.backend == "mosaic_gpu" else "")
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
                     table[label]["gbs"] = moves * rows * n * dtype.itemsize / r["median_s"] / 1e9
                 print(f"{key} {label:40s} {report.us(r.get('median_s'))} us")
             if args.backend == "mosaic_gpu":
-                results.setdefault("fastest", {})[key] = fastest(table)
+                results["fastest"][key] = fastest(table)
                 print(f"{key} fastest: {results['fastest'][key]}")
             out.write_text(report.dumps(results) + "\n")  # kept if a later width runs out
     print(f"wrote {out}")

@@ -115,6 +115,19 @@ def op_verdicts(ops_rows: list[dict], op: str, pallas_backend: str | None) -> di
     return out
 
 
+def step_times(sections: dict) -> dict[tuple, dict[str, float]]:
+    """Each train step a run timed, ``{(section, config, dtype, d): {norm: median_s}}``:
+    config the pre-norm stack's MLP or Gemma's mode; Gemma's step has bfloat16 activations
+    (benchmarks/gemma.py) and no d."""
+    groups: dict = defaultdict(dict)
+    for name in ("step", "gemma"):
+        for r in (sections.get(name) or {}).get("results", []):
+            if r.get("median_s"):
+                key = (name, r.get("mlp") or r.get("mode"), r.get("dtype", "bfloat16"), r.get("d"))
+                groups[key][r["norm"]] = r["median_s"]
+    return groups
+
+
 def step_losses(sections: dict, op: str) -> dict[str, set[int]]:
     """``{dtype: widths}`` where a train step with ``op``'s kernels (``"{op} [pallas]"``) was
     not faster than the same step on the XLA path (``"{op} [xla]"``; in a run from before
@@ -123,25 +136,10 @@ def step_losses(sections: dict, op: str) -> dict[str, set[int]]:
     auto_was_xla = not any(r.get("uses_kernel") for r in ops if r["impl"] == op)
     losses: dict[str, set[int]] = defaultdict(set)
     kernels = f"{op} [pallas]"
-    for name in ("step", "gemma"):
-        section = sections.get(name)
-        if not section:
-            continue
-        rows = _ok(section["results"])
-        if any(r["norm"] == f"{op} [xla]" for r in rows):
-            xla = f"{op} [xla]"
-        elif auto_was_xla:  # a run from before the "[xla]" rows
-            xla = op
-        else:
-            continue
-        groups: dict = defaultdict(dict)
-        for r in rows:
-            # Gemma's step: bfloat16 activations (benchmarks/gemma.py)
-            key = (r.get("mlp"), r.get("mode"), r.get("dtype", "bfloat16"), r.get("d"))
-            groups[key][r["norm"]] = r["median_s"]
-        for (_, _, dtype, d), times in groups.items():
-            if kernels in times and xla in times and times[kernels] >= times[xla]:
-                losses[dtype].update(GEMMA_WIDTHS if name == "gemma" else (d,))
+    for (name, _, dtype, d), times in step_times(sections).items():
+        xla = f"{op} [xla]" if f"{op} [xla]" in times else op if auto_was_xla else None
+        if kernels in times and xla in times and times[kernels] >= times[xla]:
+            losses[dtype].update(GEMMA_WIDTHS if name == "gemma" else (d,))
     return losses
 
 
